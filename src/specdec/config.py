@@ -1,0 +1,184 @@
+"""Frozen configuration dataclasses, built at the edge (CLI, server, Python API).
+
+Components take only the fields they need; nothing here is mutated after construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from `config.json` or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dictionary."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+            cfg.get("model_type", ""), "LlamaForCausalLM"
+        )
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; specdec runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        n_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
+            rp = cfg["rope_parameters"]
+            if rp.get("rope_type", "default") != "default":
+                rope_scaling = rp
+        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `config.json` dictionary that `from_hf` (and transformers) reads back."""
+        model_type = {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama")
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if model_type == "llama":
+            out["attention_bias"] = self.attention_bias
+        return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token; named as in vLLM. temperature == 0 means greedy (exact argmax)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (or -1 to disable), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+SPECULATIVE_METHODS = ("draft_model", "ngram", "medusa", "eagle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What proposes drafts and how many tokens a step may draft.
+
+    `num_speculative_tokens` is K, the most tokens one step drafts. `adaptive` lets the controller pick
+    K in [0, K] each step from measured acceptance and cost; with `adaptive=False` K is fixed.
+    """
+
+    method: str = "draft_model"
+    model: str | None = None  # draft model (draft_model) or head folder (medusa/eagle)
+    num_speculative_tokens: int = 5
+    adaptive: bool = True
+    # prompt lookup (ngram)
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # draft model numerics: weight-only quantization of the draft (never of the target)
+    draft_quantization: str = "auto"  # auto | none | int8 | int4
+    draft_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.method in ("draft_model", "medusa", "eagle") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs a 'model'")
+        if self.draft_quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"draft_quantization must be auto, none, int8 or int4, got {self.draft_quantization!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        d = dict(d)
+        if "method" not in d:
+            d["method"] = "draft_model" if d.get("model") else "ngram"
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        extra = {k: d.pop(k) for k in list(d) if k not in known}
+        return cls(**d, extra=extra)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        return cls.from_dict(d)

@@ -1,0 +1,92 @@
+"""Speculative-decoding counters, per request and cumulative.
+
+Terms, as in vLLM: each target pass emits `accepted + recovered + bonus` tokens. A *draft* is one
+proposal of >= 1 tokens; *draft tokens* counts proposed tokens; *accepted tokens* counts the proposed
+tokens the target kept; `accepted_per_position[i]` counts drafts whose token at position i was accepted.
+
+    acceptance_rate        = accepted_tokens / draft_tokens
+    mean_acceptance_length = emitted_tokens / target_passes   (bonus and recovered tokens included)
+
+Example: K=3, drafts [a b c] and the target accepts a, b and rejects c, emitting its own c'. One pass,
+3 drafted, 2 accepted, emitted 3 (a b c'), accepted_per_position = [1, 1, 0].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    target_passes: int = 0  # verification/decoding passes of the target (prefill excluded)
+    emitted_tokens: int = 0  # tokens produced by those passes
+    prompt_tokens: int = 0
+    prefill_time: float = 0.0  # seconds
+    draft_time: float = 0.0
+    target_time: float = 0.0
+    total_time: float = 0.0
+
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        """Count one target pass that verified `num_drafted` tokens, kept `num_accepted` of them and
+        emitted `num_emitted` (accepted + recovered/bonus, after stop rules)."""
+        self.target_passes += 1
+        self.emitted_tokens += num_emitted
+        if num_drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position.extend([0] * (num_drafted - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecMetrics") -> None:
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_passes", "emitted_tokens",
+                     "prompt_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("prefill_time", "draft_time", "target_time", "total_time"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if len(self.accepted_per_position) < len(other.accepted_per_position):
+            self.accepted_per_position.extend([0] * (len(other.accepted_per_position) - len(self.accepted_per_position)))
+        for i, n in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.emitted_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.total_time - self.prefill_time
+        return self.emitted_tokens / decode if decode > 0 else 0.0
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "target_passes": self.target_passes,
+            "emitted_tokens": self.emitted_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_time_s": round(self.prefill_time, 4),
+            "draft_time_s": round(self.draft_time, 4),
+            "target_time_s": round(self.target_time, 4),
+            "total_time_s": round(self.total_time, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+        }

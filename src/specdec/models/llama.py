@@ -1,0 +1,225 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral) in plain PyTorch.
+
+`forward(tokens, positions, cache, mask)` computes logits and keeps no bookkeeping: it writes the K/V
+of its T new tokens into the cache slots just past each row's committed length and attends over the
+committed prefix plus those new slots, as `mask` allows. The engine alone commits or rolls back.
+
+Attention on CPU is computed as bf16 matmuls with an fp32 softmax (as transformers' eager path does).
+Unlike `F.scaled_dot_product_attention`, whose CPU kernels block the work by query and key counts, this
+gives every query row the same bits whatever the number of rows, the key length or the batch it is
+computed in; so a target that verifies 6 tokens at once rounds exactly like one that decodes 1 (see
+`tests/test_exactness.py`). On CUDA, `F.scaled_dot_product_attention` is used with the same mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.cache import KVCache
+from specdec.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with the `linear` and Llama-3 `rope_scaling` variants."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, T, head_dim]
+        sin: torch.Tensor,  # [B, T, head_dim]
+        cache: KVCache,
+        write_slots: torch.Tensor | None,  # [B, T] cache slots of the new tokens, or None: rows' slots are a slice
+        mask: torch.Tensor,  # [B, T, S] bool, True where a query may attend a key slot
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        S = mask.shape[-1]
+        k_cache, v_cache = cache.keys[self.layer_idx], cache.values[self.layer_idx]
+        if write_slots is None:  # one row, or rows of equal length: a plain slice
+            start = cache.lengths[0]
+            k_cache[:B, :, start:start + T] = k.transpose(1, 2)
+            v_cache[:B, :, start:start + T] = v.transpose(1, 2)
+        else:
+            rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
+            k_cache[rows, :, write_slots] = k
+            v_cache[rows, :, write_slots] = v
+        keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]  # [B, KV, S, D]
+
+        if x.device.type == "cuda":
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
+            ).transpose(1, 2)
+        else:
+            out = self._exact_attention(q, keys, values, mask)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+    def _exact_attention(self, q, keys, values, mask):
+        """Row-invariant attention: bf16/fp32 matmuls per kv-head group, softmax in fp32.
+
+        q: [B, T, H, D]; keys, values: [B, KV, S, D]; mask: [B, T, S]. Returns [B, T, H, D].
+        """
+        B, T, H, D = q.shape
+        G = H // self.num_kv_heads
+        qg = q.view(B, T, self.num_kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, self.num_kv_heads, G * T, D)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (D ** -0.5)  # [B, KV, G*T, S]
+        scores = scores.view(B, self.num_kv_heads, G, T, -1).masked_fill(~mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(B, self.num_kv_heads, G * T, -1)
+        out = torch.matmul(probs, values)  # [B, KV, G*T, D]
+        return out.view(B, self.num_kv_heads, G, T, D).permute(0, 3, 1, 2, 4)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, write_slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """The stack (named `model` inside `Transformer`, as in Hugging Face checkpoints)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache(self.config, batch_size, capacity, self.dtype, self.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B, T] int64 rope positions
+        cache: KVCache,
+        mask: torch.Tensor | None = None,  # [B, T, T] bool among the new tokens; None: causal
+        num_logits: int | None = None,  # logits for the last n tokens only; None: all T
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, n, vocab] (fp32) and, if asked, the final hidden states [B, T, hidden].
+
+        The new tokens of row b go to cache slots `cache.lengths[b] + t`; they see every committed slot
+        of their row and the new tokens that `mask` allows (causal by default; a tree mask for tree drafts).
+        """
+        B, T = tokens.shape
+        lengths = cache.lengths[:B]
+        S = max(lengths) + T
+        if S > cache.capacity:
+            raise ValueError(f"sequence of {S} tokens exceeds the KV cache capacity of {cache.capacity}")
+        device = tokens.device
+        lens = torch.tensor(lengths, device=device)  # [B]
+        slot = torch.arange(S, device=device)  # [S]
+        new_idx = slot[None, :] - lens[:, None]  # [B, S] index among new tokens, <0 for committed
+        if mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_().expand(B, T, T)
+        in_new = (new_idx >= 0) & (new_idx < T)  # [B, S]
+        gathered = torch.gather(mask, 2, new_idx.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+        full_mask = (new_idx < 0)[:, None, :] | (in_new[:, None, :] & gathered)  # [B, T, S]
+        write_slots = None if min(lengths) == max(lengths) else lens[:, None] + torch.arange(T, device=device)
+
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, cache, write_slots, full_mask)
+        h = self.model.norm(h)
+        logits = self.lm_head(h if num_logits is None else h[:, -num_logits:]).float()
+        return (logits, h) if return_hidden else logits

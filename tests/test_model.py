@@ -1,0 +1,130 @@
+"""Our decoder against transformers' implementation (the reference), and the KV cache's rollback."""
+
+import pytest
+import torch
+
+from conftest import ours_from_hf, tiny_hf_model, tiny_model
+
+
+def full_forward(model, tokens):
+    cache = model.new_cache(tokens.shape[0], 64)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, cache)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("qwen2", {}),
+        ("llama", {}),
+        ("mistral", {}),
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    ],
+)
+def test_logits_match_transformers(arch, overrides):
+    hf = tiny_hf_model(arch, **overrides)
+    ours = ours_from_hf(hf)
+    tokens = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+    expected = hf(tokens).logits
+    got = full_forward(ours, tokens)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_prefill_then_decode_equals_full_forward():
+    hf = tiny_hf_model("qwen2")
+    ours = ours_from_hf(hf)
+    tokens = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
+    expected = hf(tokens).logits[0]
+    cache = ours.new_cache(1, 64)
+    logits = [ours(tokens[:, :8], torch.arange(8)[None], cache)[0]]
+    cache.advance(0, 8)
+    for t in range(8, 20):
+        logits.append(ours(tokens[:, t:t + 1], torch.tensor([[t]]), cache)[0])
+        cache.advance(0, 1)
+    got = torch.cat(logits)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_truncate_and_redecode_gives_the_logits_of_never_having_gone_further():
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 97, (1, 10), generator=gen)
+    wrong = torch.randint(0, 97, (1, 5), generator=gen)
+    nxt = torch.randint(0, 97, (1, 3), generator=gen)
+
+    clean = model.new_cache(1, 64)
+    model(prefix, torch.arange(10)[None], clean)
+    clean.advance(0, 10)
+    expected = model(nxt, torch.arange(10, 13)[None], clean)
+
+    dirty = model.new_cache(1, 64)
+    model(prefix, torch.arange(10)[None], dirty)
+    dirty.advance(0, 10)
+    model(wrong, torch.arange(10, 15)[None], dirty)
+    dirty.advance(0, 5)
+    dirty.truncate(0, 10)
+    got = model(nxt, torch.arange(10, 13)[None], dirty)
+    assert torch.equal(got, expected)
+
+
+def test_tree_mask_positions_and_commit_match_decoding_each_path_alone():
+    """Nodes of a tree verified in one pass get the logits of their path decoded alone; commit keeps a path."""
+    model = tiny_model("qwen2")
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 97, (1, 6), generator=gen)
+    # tree: root a; children b, c of a; child d of c.   nodes: 0=a 1=b 2=c 3=d
+    nodes = torch.randint(0, 97, (1, 4), generator=gen)
+    parents = [-1, 0, 0, 2]
+    depth = [0, 1, 1, 2]
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    for i in range(4):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    cache = model.new_cache(1, 64)
+    model(prefix, torch.arange(6)[None], cache)
+    cache.advance(0, 6)
+    tree_logits = model(nodes, (6 + torch.tensor(depth))[None], cache, mask=mask[None])[0]
+
+    for leaf, path in [(1, [0, 1]), (3, [0, 2, 3])]:
+        alone = model.new_cache(1, 64)
+        seq = torch.cat([prefix, nodes[:, path]], dim=1)
+        logits = model(seq, torch.arange(seq.shape[1])[None], alone)[0, 6:]
+        assert torch.allclose(tree_logits[path], logits, atol=1e-5)
+
+    # commit the path a-c-d, then decode one more token: same as having decoded that path alone
+    cache.commit(0, [0, 2, 3])
+    assert cache.lengths == [9]
+    nxt = torch.tensor([[5]])
+    got = model(nxt, torch.tensor([[9]]), cache)
+    alone = model.new_cache(1, 64)
+    seq = torch.cat([prefix, nodes[:, [0, 2, 3]], nxt], dim=1)
+    expected = model(seq, torch.arange(10)[None], alone)[:, -1:]
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_batched_rows_of_different_lengths_match_single_rows():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 97, (1, 9), generator=gen)
+    b = torch.randint(0, 97, (1, 4), generator=gen)
+    step = torch.randint(0, 97, (2, 3), generator=gen)
+    batch = model.new_cache(2, 64)
+    for row, seq in enumerate([a, b]):  # prefill each row alone, as the engine does
+        single = model.new_cache(1, 64)
+        model(seq, torch.arange(seq.shape[1])[None], single)
+        for layer in range(len(single.keys)):
+            batch.keys[layer][row] = single.keys[layer][0]
+            batch.values[layer][row] = single.values[layer][0]
+        batch.lengths[row] = seq.shape[1]
+    positions = torch.tensor([[9, 10, 11], [4, 5, 6]])
+    got = model(step, positions, batch)
+    for row, seq in enumerate([a, b]):
+        single = model.new_cache(1, 64)
+        model(seq, torch.arange(seq.shape[1])[None], single)
+        single.advance(0, seq.shape[1])
+        expected = model(step[row:row + 1], positions[row:row + 1], single)
+        assert torch.equal(got[row], expected[0])
