@@ -75,6 +75,15 @@ class KVCache:
                 v[row, :, dst] = v[row, :, src]
         self.advance(row, len(indices))
 
+    def row_view(self, row: int) -> "KVCache":
+        """A one-row cache sharing this cache's storage for `row` (its lengths are its own: the caller
+        copies the length back)."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[row:row + 1] for k in self.keys]
+        view.values = [v[row:row + 1] for v in self.values]
+        view.capacity, view.batch_size, view.lengths = self.capacity, 1, [self.lengths[row]]
+        return view
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy row `src` onto row `dst` (used to keep running sequences packed in rows 0..B-1)."""
         n = self.lengths[src]

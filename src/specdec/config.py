@@ -6,7 +6,6 @@ Components take only the fields they need; nothing here is mutated after constru
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,13 +171,3 @@ class SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         extra = {k: d.pop(k) for k in list(d) if k not in known}
         return cls(**d, extra=extra)
-
-    @classmethod
-    def from_json(cls, text: str) -> "SpeculativeConfig":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        return cls.from_dict(d)

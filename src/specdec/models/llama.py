@@ -172,6 +172,21 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "Transformer":
+        """Build without allocating twice: parameters are the state dict's tensors (dtype and device too)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state_dict, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        device = model.model.embed_tokens.weight.device
+        model.inv_freq = rope_inv_freq(config).to(device)
+        return model.eval()
+
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device

@@ -1,0 +1,196 @@
+"""The Python entry point, shaped like vLLM's offline API.
+
+    llm = specdec.LLM(model="qwen2.5-coder-1.5b-instruct",
+                      speculative_model="qwen2.5-coder-0.5b-instruct", num_speculative_tokens=5)
+    out = llm.generate(["def quicksort(arr):"], specdec.SamplingParams(temperature=0, max_tokens=64))
+    print(out[0].text, out[0].metrics.mean_acceptance_length)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.engine import Engine
+from specdec.models.llama import Transformer
+from specdec.models.loading import cpu_has_native_bf16, load_checkpoint, resolve_dtype
+from specdec.models.quant import quantize_linears, resolve_quantization
+from specdec.models.store import resolve_model
+from specdec.models.tokenizer import Tokenizer
+from specdec.outputs import RequestOutput
+from specdec.speculative.compat import check_draft_compatible
+from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(
+    name_or_path: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+) -> tuple[Transformer, Tokenizer, Path]:
+    """Load a checkpoint (path or known name); quantized weights run with bf16 activations."""
+    path = resolve_model(name_or_path)
+    if quantization != "none":
+        dtype = torch.bfloat16
+    config, state_dict, tokenizer = load_checkpoint(path, dtype, device)
+    model = Transformer.from_state_dict(config, state_dict)
+    quantize_linears(model, quantization)
+    return model, tokenizer, path
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def build_speculative_config(
+    speculative_model: str | None,
+    num_speculative_tokens: int | None,
+    speculative_config: dict[str, Any] | str | None,
+) -> SpeculativeConfig | None:
+    """vLLM's flags -> one SpeculativeConfig (None: no speculation).
+
+    `--speculative-model D` alone drafts adaptively with up to 5 tokens; adding
+    `--num-speculative-tokens K` fixes K (as in vLLM); `{"adaptive": true}` in the config makes K a maximum.
+    """
+    if isinstance(speculative_config, str):
+        try:
+            speculative_config = json.loads(speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(speculative_config, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+    if speculative_config is None and speculative_model is None:
+        if num_speculative_tokens:
+            raise ValueError("--num-speculative-tokens needs --speculative-model or --speculative-config")
+        return None
+    d = dict(speculative_config or {})
+    if speculative_model is not None:
+        d.setdefault("model", speculative_model)
+    k_given = num_speculative_tokens is not None or "num_speculative_tokens" in d
+    if num_speculative_tokens is not None:
+        d["num_speculative_tokens"] = num_speculative_tokens
+    d.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+    d.setdefault("adaptive", not k_given)
+    return SpeculativeConfig.from_dict(d)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_TARGET,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_config: dict[str, Any] | str | None = None,
+        dtype: str = "auto",
+        quantization: str = "auto",
+        max_model_len: int | None = None,
+        device: str | None = None,
+        max_batch_size: int = 1,
+    ) -> None:
+        self.device = torch.device(device) if device else default_device()
+        self.quantization = resolve_quantization(quantization, self.device, cpu_has_native_bf16())
+        self.dtype = torch.bfloat16 if self.quantization != "none" else resolve_dtype(dtype, self.device)
+        t0 = time.perf_counter()
+        self.target, self.tokenizer, self.target_path = load_model(model, self.dtype, self.device, self.quantization)
+        self.load_time = time.perf_counter() - t0
+        self.model_name = model
+        self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.config.max_position_embeddings)
+        self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
+        self.draft_model: Transformer | None = None
+        proposer = self._build_proposer(max_batch_size)
+        self.engine = Engine(
+            self.target,
+            self.tokenizer,
+            proposer,
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
+            adaptive=bool(self.spec and self.spec.adaptive),
+            max_model_len=self.max_model_len,
+            max_batch_size=max_batch_size,
+        )
+        self._ids = itertools.count()
+
+    def _build_proposer(self, max_batch_size: int):
+        spec = self.spec
+        if spec is None or spec.num_speculative_tokens == 0:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if spec.method == "draft_model":
+            self.draft_quantization = resolve_quantization(spec.draft_quantization, self.device, native_bf16=False)
+            draft_dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
+            self.draft_model, draft_tokenizer, _ = load_model(spec.model, draft_dtype, self.device,
+                                                               self.draft_quantization)
+            check_draft_compatible(self.tokenizer, draft_tokenizer, self.target.config, self.draft_model.config)
+            return DraftModelProposer(self.draft_model, max_batch_size, self.max_model_len)
+        raise ValueError(f"speculative method {spec.method!r} is not available yet")
+
+    # ----------------------------------------------------------------------------------- generation
+    def generate(
+        self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text, or token ids). Returns one finished RequestOutput per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+        return self._run(ids, sampling_params or SamplingParams())
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and complete it."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
+               for c in conversations]  # type: ignore[arg-type]
+        return self._run(ids, sampling_params or SamplingParams())
+
+    def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        order = []
+        for ids in prompt_ids:
+            request_id = f"req-{next(self._ids)}"
+            self.engine.add_request(request_id, ids, params)
+            order.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[r] for r in order]
+
+    def describe(self) -> dict[str, Any]:
+        """What was loaded, how it speculates, and the memory each part takes."""
+        info: dict[str, Any] = {
+            "model": self.model_name,
+            "model_path": str(self.target_path),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
+            "max_model_len": self.max_model_len,
+            "load_time_s": round(self.load_time, 2),
+            "memory_bytes": {"target_weights": model_bytes(self.target), "target_kv_cache": self.engine.cache.nbytes},
+            "speculative": None,
+        }
+        if self.spec is not None:
+            info["speculative"] = {
+                "method": self.spec.method,
+                "model": self.spec.model,
+                "num_speculative_tokens": self.spec.num_speculative_tokens,
+                "adaptive": self.spec.adaptive,
+            }
+            if self.draft_model is not None:
+                info["speculative"]["draft_quantization"] = self.draft_quantization
+                info["memory_bytes"]["draft_weights"] = model_bytes(self.draft_model)
+                info["memory_bytes"]["draft_kv_cache"] = self.engine.proposer.cache.nbytes
+        return info

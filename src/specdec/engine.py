@@ -1,0 +1,292 @@
+"""The engine: prefill, then propose -> verify -> accept -> commit -> observe, for a batch of sequences.
+
+It works on token ids; the tokenizer is used only for stop strings and streamed text. Running sequences
+occupy KV-cache rows 0..B-1 of the target (and of a draft model); a finished sequence's row is refilled
+by the last one, so the batch stays packed.
+
+Invariant: the target cache holds every token of a sequence but the last; a step feeds
+`[last, *draft]` (T = K + 1 tokens) and commits `1 + accepted` of them. Plain decoding is the same
+step with an empty draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.metrics import SpecMetrics
+from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.outputs import RequestOutput
+from specdec.sampling import make_generator, process_logits, sample
+from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
+from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
+from specdec.speculative.proposers import Draft, Proposer
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    tokens: list[int] = field(default_factory=list)  # prompt + output
+    row: int = -1
+    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    start_time: float = 0.0
+    text: str = ""
+    emitted_chars: int = 0  # how much of `text` earlier outputs carried
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+
+class Engine:
+    def __init__(
+        self,
+        target,
+        tokenizer: Tokenizer,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
+        adaptive: bool = False,
+        max_model_len: int = 4096,
+        max_batch_size: int = 1,
+        prefill_chunk: int = 512,
+        target_cache=None,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        k = num_speculative_tokens if proposer is not None else 0
+        self.controller = AdaptiveK(k) if adaptive and k > 0 else FixedK(k)
+        self.costs = CostModel()
+        self.cache = target_cache or target.new_cache(max_batch_size, max_model_len)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.metrics = SpecMetrics()  # cumulative
+        self._aborted: set[str] = set()
+        self._sync = target.device.type == "cuda"
+
+    # ----------------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
+                f"were requested ({n} in the prompt, {params.max_tokens} to generate)"
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_token_ids),
+            params=params,
+            generator=make_generator(params.seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
+            tokens=list(prompt_token_ids),
+            start_time=time.perf_counter(),
+        )
+        seq.metrics.prompt_tokens = n
+        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    # ----------------------------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drop_aborted()
+        while self.waiting and len(self.running) < self.max_batch_size:
+            self._admit(self.waiting.popleft())
+        if not self.running:
+            return outputs
+        seqs = self.running
+        ks = self._choose_k(seqs)
+
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(seqs, ks) if self.proposer is not None and max(ks) > 0 else \
+            [Draft([]) for _ in seqs]
+        t1 = self._now()
+        target_logits = self._verify(seqs, drafts)  # [B, T, V]
+        t2 = self._now()
+        verdicts = [self._accept(seq, draft, target_logits[b]) for b, (seq, draft) in enumerate(zip(seqs, drafts))]
+        for seq, draft, verdict in zip(seqs, drafts, verdicts):
+            self.cache.advance(seq.row, 1 + verdict.num_accepted)
+        if self.proposer is not None:
+            self.proposer.observe(seqs, drafts, verdicts)
+
+        self._record_costs(seqs, drafts, t1 - t0, t2 - t1, max(ks))
+        for seq, draft, verdict in zip(seqs, drafts, verdicts):
+            new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
+            seq.metrics.record_step(len(draft.tokens), verdict.num_accepted, len(new_ids))
+            seq.metrics.draft_time += (t1 - t0) / len(seqs)
+            seq.metrics.target_time += (t2 - t1) / len(seqs)
+            seq.estimate.update(len(draft.tokens), verdict.num_accepted, getattr(self.controller, "decay", 1.0))
+            outputs.append(self._output(seq, new_ids))
+        self._retire_finished()
+        return outputs
+
+    def _now(self) -> float:
+        if self._sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _choose_k(self, seqs: list[Sequence]) -> list[int]:
+        ks = self.controller.choose([s.estimate for s in seqs], self.costs)
+        # never draft past max_tokens (a pass emits k + 1 tokens) or past the context
+        return [
+            max(0, min(k, s.params.max_tokens - s.num_output - 1, self.max_model_len - len(s.tokens) - 1))
+            for k, s in zip(ks, seqs)
+        ]
+
+    def _verify(self, seqs: list[Sequence], drafts: list[Draft]) -> torch.Tensor:
+        """One target pass over `[last, *draft]` for every sequence (right-padded to the longest)."""
+        width = 1 + max(len(d.tokens) for d in drafts)
+        rows, positions = [], []
+        for seq, draft in zip(seqs, drafts):
+            row = [seq.tokens[-1], *draft.tokens]
+            rows.append(row + [row[-1]] * (width - len(row)))  # pads are never committed
+            start = len(seq.tokens) - 1
+            positions.append(list(range(start, start + width)))
+        device = self.target.device
+        return self.target(torch.tensor(rows, device=device), torch.tensor(positions, device=device), self.cache)
+
+    def _accept(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor) -> Verdict:
+        """target_logits: [T, V]; only the first len(draft) + 1 rows are real."""
+        k = len(draft.tokens)
+        logits = target_logits[: k + 1]
+        if seq.params.greedy:
+            return greedy_accept(draft.tokens, logits)
+        target_probs = process_logits(logits, seq.params)
+        if k == 0:
+            return Verdict(0, sample(target_probs[0], seq.generator))
+        return rejection_sample(draft.tokens, draft.probs, target_probs, seq.generator)
+
+    def _record_costs(self, seqs, drafts, draft_time: float, target_time: float, k_max: int) -> None:
+        B = len(seqs)
+        if k_max > 0 and self.proposer is not None:
+            self.costs.record_draft(B, draft_time / k_max)
+        width = 1 + max(len(d.tokens) for d in drafts)
+        self.costs.record_verify(B * width, target_time)
+
+    # ----------------------------------------------------------------------------------- stop rules
+    def _append(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
+        """Append emitted tokens one by one, stopping exactly at EOS, a stop string or max_tokens."""
+        params = seq.params
+        added: list[int] = []
+        for token in new_tokens:
+            seq.tokens.append(token)
+            added.append(token)
+            if token in self.eos_ids and not params.ignore_eos:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                break
+            seq.text += seq.detokenizer.add([token])
+            if params.stop and self._hit_stop_string(seq):
+                break
+            if seq.num_output >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+                seq.finish_reason = "length"
+                break
+        if seq.finish_reason is not None and seq.stop_reason is None:
+            seq.text += seq.detokenizer.flush()
+            if params.stop:
+                self._hit_stop_string(seq)
+        return added
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        # a stop string can only end inside the text added since the longest stop string ago
+        window = max(len(s) for s in seq.params.stop) + 16
+        tail_start = max(0, len(seq.text) - window)
+        for stop in seq.params.stop:
+            i = seq.text.find(stop, tail_start)
+            if i >= 0:
+                seq.text = seq.text[:i]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
+
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_ids,
+            new_token_ids=new_ids,
+            token_ids=seq.output_ids,
+            text=seq.text,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            metrics=seq.metrics,
+        )
+        out.new_text = seq.text[seq.emitted_chars:]
+        seq.emitted_chars = len(seq.text)
+        return out
+
+    # ----------------------------------------------------------------------------------- batch rows
+    def _admit(self, seq: Sequence) -> None:
+        """Give `seq` the next free row and prefill all its prompt tokens but the last."""
+        seq.row = len(self.running)
+        self.running.append(seq)
+        t0 = time.perf_counter()
+        view = self.cache.row_view(seq.row)
+        view.lengths[0] = 0
+        end = len(seq.tokens) - 1
+        device = self.target.device
+        for start in range(0, end, self.prefill_chunk):
+            stop = min(end, start + self.prefill_chunk)
+            chunk = torch.tensor([seq.tokens[start:stop]], device=device)
+            self.target(chunk, torch.arange(start, stop, device=device)[None], view, num_logits=1)
+            view.advance(0, stop - start)
+        self.cache.lengths[seq.row] = view.lengths[0]
+        seq.metrics.prefill_time = self._now() - t0
+
+    def _retire_finished(self) -> None:
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        row, last = seq.row, len(self.running) - 1
+        moved = self.running[last]
+        if row != last:  # keep rows packed: the last sequence takes the freed row
+            self.cache.move_row(last, row)
+            if self.proposer is not None:
+                self.proposer.move_row(last, row)
+            moved.row = row
+            self.running[row] = moved
+        self.running.pop()
+        self.cache.lengths[last] = 0
+        if self.proposer is not None:
+            self.proposer.release(last)
+        seq.metrics.total_time = time.perf_counter() - seq.start_time
+        self.metrics.merge(seq.metrics)
+
+    def _drop_aborted(self) -> list[RequestOutput]:
+        if not self._aborted:
+            return []
+        outputs = []
+        for seq in [s for s in self.waiting if s.request_id in self._aborted]:
+            self.waiting.remove(seq)
+            seq.finish_reason = "abort"
+            outputs.append(self._output(seq, []))
+        for seq in [s for s in self.running if s.request_id in self._aborted]:
+            seq.finish_reason = "abort"
+            self._release(seq)
+            outputs.append(self._output(seq, []))
+        self._aborted.clear()
+        return outputs

@@ -1,0 +1,308 @@
+"""Checkpoints in: Hugging Face folders (safetensors) and GGUF files -> (ModelConfig, state dict, Tokenizer).
+
+State-dict keys follow Hugging Face naming (`model.layers.{i}.self_attn.q_proj.weight`, ...); `lm_head.weight`
+is absent when the embeddings are tied. Pickled checkpoints (`.bin`, `.pt`) are refused: loading them can run
+arbitrary code. A GGUF can also be converted once into a float32 Hugging Face folder (`convert_gguf`), which
+then reloads in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from specdec.config import ModelConfig
+from specdec.models.dequant import dequantize
+from specdec.models.tokenizer import Tokenizer, gguf_eos_token_ids, gguf_field
+
+MAX_SHARD_BYTES = 4 << 30
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA, and on CPUs with native bf16 (AVX-512 BF16 / AMX), else float32.
+
+    Example: resolve_dtype("auto", torch.device("cpu")) -> torch.float32 on an AVX2-only CPU.
+    """
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """The CPU flags (Linux) list native bf16 arithmetic: AVX-512 BF16 or AMX."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# ---- entry points ---------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """The model's config alone: reads `config.json`, or a GGUF's metadata."""
+    path = _checked_path(path)
+    if path.suffix == ".gguf":
+        return gguf_config(GGUFReader(path))
+    return hf_config(path)
+
+
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", progress: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, weights (each cast to `dtype` on `device` as it is read) and tokenizer of a checkpoint.
+
+    `path` is a Hugging Face folder (config.json, safetensors shards, tokenizer.json) or a `.gguf` file.
+    """
+    path = _checked_path(path)
+    if path.suffix == ".gguf":
+        reader = GGUFReader(path)
+        config = gguf_config(reader)
+        weights = {name: t.to(device=device, dtype=dtype) for name, t in gguf_tensors(reader, config, progress)}
+        return config, weights, Tokenizer.from_gguf(reader)
+    config = hf_config(path)
+    return config, load_safetensors(path, config, dtype, device), Tokenizer.from_folder(path)
+
+
+def _checked_path(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if path.suffix in PICKLE_SUFFIXES:
+        raise ValueError(f"refusing {path.name}: pickled checkpoints can run code when loaded; use safetensors or GGUF")
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model folder: it has no config.json")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{path.name}: expected a model folder or a .gguf file")
+    return path
+
+
+# ---- Hugging Face folders -------------------------------------------------------------------------
+
+
+def hf_config(folder: Path) -> ModelConfig:
+    """`config.json`, with the eos ids of `generation_config.json` when present (what generate stops on)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    gen_path = folder / "generation_config.json"
+    gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.is_file() else None
+    return ModelConfig.from_hf(cfg if gen_eos is None else {**cfg, "eos_token_id": gen_eos})
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards named by `model.safetensors.index.json`, else every `*.safetensors` in the folder."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        hint = f" (found {', '.join(pickles)}: pickles are refused, convert them to safetensors)" if pickles else ""
+        raise FileNotFoundError(f"{folder} has no .safetensors weights{hint}")
+    return files
+
+
+def load_safetensors(folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Tensor by tensor, each cast at once: peak memory is about the final size, not the stored size."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return weights
+
+
+# ---- GGUF -----------------------------------------------------------------------------------------
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_PERMUTED = ("llama", "mistral")  # llama.cpp's converter interleaves q/k rows of these for its rope
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """GGUF tensor name -> Hugging Face name. Example: `blk.3.ffn_gate.weight` -> `model.layers.3.mlp.gate_proj.weight`."""
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}; specdec reads Llama-family decoders only")
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def gguf_config(reader: GGUFReader) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.block_count`, ...); tied embeddings = no `output.weight`."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; specdec runs {', '.join(GGUF_ARCHITECTURES)}")
+    get = lambda key, default=None: gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise NotImplementedError("GGUF with rope_freqs.weight (Llama 3.1 rope scaling) is not supported yet")
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    n_heads, hidden = get("attention.head_count"), get("embedding_length")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(embed.shape[1]),  # GGUF dims are [hidden, vocab]
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=get("attention.head_count_kv", n_heads),
+        head_dim=get("attention.key_length", hidden // n_heads),
+        rms_norm_eps=_shortest_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(get),
+        max_position_embeddings=get("context_length", 4096),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=any(n.endswith("attn_q.bias") for n in names),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=gguf_eos_token_ids(reader),
+    )
+
+
+def _shortest_f32(x: float) -> float:
+    """The shortest decimal that a float32 metadata value stands for. Example: 9.99999997e-07 -> 1e-06."""
+    return float(str(np.float32(x)))
+
+
+def _gguf_rope_scaling(get) -> dict | None:
+    """`{arch}.rope.scaling.*` -> a transformers `rope_scaling` dict (None when absent or `none`)."""
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise NotImplementedError(f"GGUF rope scaling {kind!r} is not supported; specdec reads linear and yarn")
+    scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+    return scaling
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, interleaved rope pairs -> rotate-half halves.
+
+    w: [n_heads * head_dim, ...] (weight or bias). llama.cpp stores the rows of each head as
+    (0, d/2, 1, d/2+1, ...); Hugging Face wants (0, 1, ..., d/2-1, d/2, ...). Example, head_dim 4:
+    stored rows [r0, r2, r1, r3] -> [r0, r1, r2, r3].
+    """
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+    arch = gguf_field(reader, "general.architecture")
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        w = dequantize(t.data, t.tensor_type, shape)
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if arch in ROPE_PERMUTED and kind in heads:
+            w = unpermute_rope(w, heads[kind])
+        yield hf_name(t.name), w
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write a GGUF as a Hugging Face folder: config.json, float32 safetensors (sharded above 4 GiB),
+    tokenizer files and generation_config.json. Float32 keeps the dequantized values exact.
+
+    Everything is written into a sibling `.<name>.partial` folder renamed at the end, so a crash never
+    leaves a folder that looks complete. Returns `out_dir`.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir).expanduser()
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists; remove it to convert again")
+    tmp = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        reader = GGUFReader(gguf_path)
+        config = gguf_config(reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+        _write_shards(reader, config, tmp, progress)
+        _write_json(tmp / "config.json", {**config.to_hf(), "torch_dtype": "float32"})
+        _write_json(tmp / "generation_config.json", {
+            "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+            "pad_token_id": tokenizer.pad_token_id,
+        })
+        tokenizer.save(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def plan_shards(sizes: list[int], max_bytes: int = MAX_SHARD_BYTES) -> list[int]:
+    """Shard index of each tensor, filling shards in order up to `max_bytes`.
+
+    Example, max 4 GiB: sizes [3, 2, 1, 3] GiB -> [0, 1, 1, 2].
+    """
+    plan, index, used = [], 0, 0
+    for size in sizes:
+        if used and used + size > max_bytes:
+            index, used = index + 1, 0
+        plan.append(index)
+        used += size
+    return plan
+
+
+def _write_shards(reader: GGUFReader, config: ModelConfig, folder: Path, progress: bool) -> None:
+    """Dequantize and save one shard at a time: peak memory is one shard, not the whole model."""
+    sizes = [int(t.n_elements) * 4 for t in reader.tensors]  # float32
+    plan = plan_shards(sizes, MAX_SHARD_BYTES)
+    n = plan[-1] + 1
+    files = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    for index, (name, tensor) in zip(plan, gguf_tensors(reader, config, progress)):
+        if shard and files[index] != weight_map[next(iter(shard))]:
+            save_file(shard, str(folder / weight_map[next(iter(shard))]), metadata={"format": "pt"})
+            shard = {}
+        shard[name], weight_map[name] = tensor.contiguous(), files[index]
+    save_file(shard, str(folder / files[-1]), metadata={"format": "pt"})
+    if n > 1:
+        index_json = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        _write_json(folder / "model.safetensors.index.json", index_json)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

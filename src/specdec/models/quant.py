@@ -1,0 +1,86 @@
+"""Weight-only int8 / int4 linear layers.
+
+A draft's numerics change only how often it agrees with the target, never the output, so the draft may
+use cheaper kernels than the target (whose numerics must be the same in plain and speculative runs).
+On CPU, torch's weight-only kernels make a one-row draft step several times cheaper than bf16.
+For the target, the int8 kernel costs nearly the same for 1 to 6 rows and gives every row the same bits
+whatever the number of rows (unlike fp32 sgemm here), so the same int8 target is used by plain and
+speculative decoding alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + bias, with q int8 per output channel (symmetric)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [N, K]
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)
+        y = y.view(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """Asymmetric int4 per group of `group_size` input channels, packed for torch's CPU int4 kernel."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = 32) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        N, K = w.shape
+        if K % group_size:
+            raise ValueError(f"in_features {K} is not a multiple of the int4 group size {group_size}")
+        groups = w.view(N, K // group_size, group_size)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)  # [N, G]
+        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
+        zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        self.group_size = group_size
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+        self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]), self.packed, self.group_size, self.scales_and_zeros
+        )
+        y = y.view(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+def resolve_quantization(method: str, device: torch.device, native_bf16: bool) -> str:
+    """`auto`: int8 weights on CPUs without native bf16 arithmetic (where fp32 and emulated bf16 matmuls
+    cost several times more for 6 rows than for 1, which would make verification expensive), else none.
+    A draft passes native_bf16=False to get int8 on every CPU: its numerics never change the output."""
+    if method not in ("auto", "none", "int8", "int4"):
+        raise ValueError(f"unknown quantization {method!r}; choose auto, none, int8 or int4")
+    if method == "auto":
+        return "int8" if device.type == "cpu" and not native_bf16 else "none"
+    if method != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {method!r} uses torch's CPU kernels; use 'none' on {device.type}")
+    return method
+
+
+def quantize_linears(model: nn.Module, method: str) -> None:
+    """Replace every nn.Linear of `model` in place (weights become int8/int4; activations stay bf16)."""
+    if method == "none":
+        return
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"{method} weights run with bfloat16 activations; the model is {model.dtype}")
+    make = {"int8": Int8Linear, "int4": Int4Linear}[method]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))

@@ -1,0 +1,312 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the model's special ids, chat template and streaming decoder.
+
+Built from a Hugging Face folder (`tokenizer.json` + `tokenizer_config.json`) or from GGUF metadata
+(`tokenizer.ggml.*`), and saved as a folder that transformers loads too. The engine knows only token ids;
+text crosses this boundary in `encode`, `decode`, `apply_chat_template` and `IncrementalDetokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+# How each `tokenizer.ggml.pre` splits text before byte-level BPE (as llama.cpp's llama-vocab.cpp and the
+# models' own tokenizer.json do).
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _regex_split(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+    )
+
+
+def _gpt2_split(individual_digits: bool) -> pre_tokenizers.PreTokenizer:
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]) if individual_digits else gpt2
+
+
+# pre name -> (normalizer or None, pre-tokenizer factory)
+PRE_TOKENIZERS = {
+    "qwen2": (normalizers.NFC, lambda: _regex_split(_QWEN2_SPLIT)),
+    "deepseek-r1-qwen": (normalizers.NFC, lambda: _regex_split(_QWEN2_SPLIT)),
+    "smollm": (None, lambda: _gpt2_split(individual_digits=True)),
+    "starcoder": (None, lambda: _gpt2_split(individual_digits=True)),
+    "gpt-2": (None, lambda: _gpt2_split(individual_digits=False)),
+}
+
+# Texts llama.cpp treats as end of generation when the vocabulary marks them CONTROL (llama-vocab.cpp).
+EOG_TEXTS = (
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+    "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
+)
+
+
+def gguf_field(reader, key: str, default: Any = None) -> Any:
+    """A GGUF metadata value as a Python value (str, number, bool or list), or `default`."""
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def gguf_eos_token_ids(reader, tokens: list[str] | None = None, token_types: list[int] | None = None) -> tuple[int, ...]:
+    """End-of-generation ids, as llama.cpp collects them: eos, eot and eom ids, and CONTROL tokens named in
+    `EOG_TEXTS`. Example, Qwen2.5 instruct: eos 151645 `<|im_end|>`, then 151643 `<|endoftext|>`."""
+    tokens = tokens if tokens is not None else gguf_field(reader, "tokenizer.ggml.tokens", [])
+    token_types = token_types if token_types is not None else gguf_field(reader, "tokenizer.ggml.token_type", [])
+    ids = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids += [i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == CONTROL and t in EOG_TEXTS]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+class Tokenizer:
+    """A model's tokenizer. Example:
+
+    >>> tok = Tokenizer.from_folder("~/.cache/specdec/models/qwen2.5-coder-0.5b-instruct")
+    >>> tok.encode("<|im_start|>user")            # [151644, 872]
+    >>> tok.decode([151644, 872])                 # '<|im_start|>user'
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        special_tokens: dict[str, str | None],
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+    ):
+        self._backend = backend
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+
+    # ---- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "Tokenizer":
+        """From `tokenizer.json`, `tokenizer_config.json` and, for the eos ids, `generation_config.json`
+        (what transformers' generate stops on) or `config.json`."""
+        path = Path(path).expanduser()
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json (specdec needs a fast-tokenizer file)")
+        backend = Backend.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        eos = _read_json(path / "generation_config.json").get("eos_token_id")
+        eos = eos if eos is not None else _read_json(path / "config.json").get("eos_token_id")
+        if eos is None and special["eos_token"] is not None:
+            eos = backend.token_to_id(special["eos_token"])
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # no flag: does the post-processor prepend BOS?
+            bos_id = backend.token_to_id(special["bos_token"]) if special["bos_token"] else None
+            add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
+        return cls(
+            backend,
+            special_tokens=special,
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            chat_template=_chat_template(path, cfg),
+            add_bos_token=bool(add_bos),
+        )
+
+    @classmethod
+    def from_gguf(cls, reader) -> "Tokenizer":
+        """From a `gguf.GGUFReader`'s `tokenizer.ggml.*` metadata (byte-level BPE vocabularies)."""
+        model = gguf_field(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise NotImplementedError(f"GGUF tokenizer model {model!r} is not supported; specdec reads 'gpt2' (byte-level BPE)")
+        pre = gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"unknown GGUF pre-tokenizer {pre!r}; specdec knows {', '.join(PRE_TOKENIZERS)}")
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+        token_types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
+        backend = _byte_level_bpe(tokens, merges, pre)
+        _add_gguf_added_tokens(backend, tokens, token_types)
+
+        def text(key: str) -> str | None:
+            i = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+            return None if i is None else tokens[i]
+
+        return cls(
+            backend,
+            special_tokens={"bos_token": text("bos"), "eos_token": text("eos"), "pad_token": text("padding"), "unk_token": text("unknown")},
+            eos_token_ids=gguf_eos_token_ids(reader, tokens, token_types),
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),
+            add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        )
+
+    def save(self, folder: str | Path) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` (loadable by `from_folder` and transformers)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(folder / "tokenizer.json"))
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.special_tokens,
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1 << 20,
+        }
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+    # ---- ids <-> text -------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings in it become their ids. `add_special_tokens` prepends
+        BOS only when the model's config says `add_bos_token`."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id_of("bos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id_of("pad_token")
+
+    def _id_of(self, key: str) -> int | None:
+        token = self.special_tokens.get(key)
+        return None if token is None else self._backend.token_to_id(token)
+
+    # ---- chat ---------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for a conversation, rendered by the model's own template as transformers does."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a plain prompt instead of messages")
+        return self._compiled_template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+
+class IncrementalDetokenizer:
+    """Streams text as ids arrive, decoding only a small window of recent tokens.
+
+    Keeps `[prefix_offset, read_offset)`, the tokens whose text was already emitted and serve as left
+    context, and the unread tokens after them (vLLM's scheme). Each `add` decodes the window with and
+    without the unread tokens and emits the difference, unless it ends in a partial UTF-8 character
+    ('\\ufffd'), in which case it waits for more tokens. Example, byte-level BPE splitting "😀" (F0 9F 98 80)
+    into two tokens: add([t1]) -> "" (the window decodes to '\\ufffd'), add([t2]) -> "😀".
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._window: list[int] = []  # left context then unread tokens
+        self._read_offset = 0  # window[:read_offset] is already emitted
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append ids; return the text they complete (possibly "")."""
+        self._window.extend(new_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is held back, even a partial character (as `decode` shows it)."""
+        return self._emit(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def _emit(self, final: bool) -> str:
+        prefix_text = self._decode(self._window[: self._read_offset])
+        new_text = self._decode(self._window)
+        if new_text.endswith("\ufffd") and not final:
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._window = self._window[self._read_offset :]  # the emitted unread tokens are the next context
+        self._read_offset = len(self._window)
+        self._text.append(delta)
+        return delta
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], pre: str) -> Backend:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = Backend(BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    normalizer, pre_tokenizer = PRE_TOKENIZERS[pre]
+    if normalizer is not None:
+        backend.normalizer = normalizer()
+    backend.pre_tokenizer = pre_tokenizer()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _add_gguf_added_tokens(backend: Backend, tokens: list[str], token_types: list[int]) -> None:
+    """CONTROL tokens (`<|im_start|>`) become special added tokens, USER_DEFINED ones (`<tool_call>`) plain
+    added tokens: both are matched whole in text instead of being cut into pieces by BPE."""
+    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == USER_DEFINED]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token: Any) -> str | None:
+    """`tokenizer_config.json` writes a special token as a string or as an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_template(folder: Path, cfg: dict) -> str | None:
+    """The default template: `chat_template.jinja`, or `tokenizer_config.json`'s (a string or a named list)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' `tojson`: no HTML escaping, unicode kept."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)

