@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.cache import KVCache
 from specdec.engine import Engine
+from specdec.memory import device_memory, plan_memory
 from specdec.models.llama import Transformer
 from specdec.models.loading import cpu_has_native_bf16, load_checkpoint, resolve_dtype
 from specdec.models.quant import quantize_linears, resolve_quantization
@@ -98,7 +100,8 @@ class LLM:
         quantization: str = "auto",
         max_model_len: int | None = None,
         device: str | None = None,
-        max_batch_size: int = 1,
+        max_num_seqs: int = 1,
+        memory_utilization: float = 0.9,
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.quantization = resolve_quantization(quantization, self.device, cpu_has_native_bf16())
@@ -109,32 +112,47 @@ class LLM:
         self.model_name = model
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.config.max_position_embeddings)
         self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
-        self.draft_model: Transformer | None = None
-        proposer = self._build_proposer(max_batch_size)
+        self.draft_model = self._load_draft()
+        self.memory_plan = plan_memory(
+            budget=int(memory_utilization * device_memory(self.device)),
+            target_weights=model_bytes(self.target),
+            draft_weights=model_bytes(self.draft_model) if self.draft_model is not None else 0,
+            target_kv_per_token=KVCache.bytes_per_token(self.target.config, self.dtype),
+            draft_kv_per_token=KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype)
+            if self.draft_model is not None else 0,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+        )
         self.engine = Engine(
             self.target,
             self.tokenizer,
-            proposer,
+            self._build_proposer(self.memory_plan.max_num_seqs),
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             adaptive=bool(self.spec and self.spec.adaptive),
             max_model_len=self.max_model_len,
-            max_batch_size=max_batch_size,
+            max_batch_size=self.memory_plan.max_num_seqs,
+            disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
         )
         self._ids = itertools.count()
 
-    def _build_proposer(self, max_batch_size: int):
+    def _load_draft(self) -> Transformer | None:
+        spec = self.spec
+        if spec is None or spec.method != "draft_model" or spec.num_speculative_tokens == 0:
+            return None
+        self.draft_quantization = resolve_quantization(spec.draft_quantization, self.device, native_bf16=False)
+        draft_dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
+        draft, draft_tokenizer, _ = load_model(spec.model, draft_dtype, self.device, self.draft_quantization)
+        check_draft_compatible(self.tokenizer, draft_tokenizer, self.target.config, draft.config)
+        return draft
+
+    def _build_proposer(self, max_num_seqs: int):
         spec = self.spec
         if spec is None or spec.num_speculative_tokens == 0:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
         if spec.method == "draft_model":
-            self.draft_quantization = resolve_quantization(spec.draft_quantization, self.device, native_bf16=False)
-            draft_dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
-            self.draft_model, draft_tokenizer, _ = load_model(spec.model, draft_dtype, self.device,
-                                                               self.draft_quantization)
-            check_draft_compatible(self.tokenizer, draft_tokenizer, self.target.config, self.draft_model.config)
-            return DraftModelProposer(self.draft_model, max_batch_size, self.max_model_len)
+            return DraftModelProposer(self.draft_model, max_num_seqs, self.max_model_len)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     # ----------------------------------------------------------------------------------- generation
@@ -179,7 +197,7 @@ class LLM:
             "quantization": self.quantization,
             "max_model_len": self.max_model_len,
             "load_time_s": round(self.load_time, 2),
-            "memory_bytes": {"target_weights": model_bytes(self.target), "target_kv_cache": self.engine.cache.nbytes},
+            "memory_bytes": self.memory_plan.as_dict(),
             "speculative": None,
         }
         if self.spec is not None:
@@ -191,6 +209,4 @@ class LLM:
             }
             if self.draft_model is not None:
                 info["speculative"]["draft_quantization"] = self.draft_quantization
-                info["memory_bytes"]["draft_weights"] = model_bytes(self.draft_model)
-                info["memory_bytes"]["draft_kv_cache"] = self.engine.proposer.cache.nbytes
         return info

@@ -151,6 +151,7 @@ class SpeculativeConfig:
     # draft model numerics: weight-only quantization of the draft (never of the target)
     draft_quantization: str = "auto"  # auto | none | int8 | int4
     draft_dtype: str | None = None
+    disable_by_batch_size: int | None = None  # no speculation while more sequences than this run (vLLM)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -64,7 +64,7 @@ class Engine:
         max_model_len: int = 4096,
         max_batch_size: int = 1,
         prefill_chunk: int = 512,
-        target_cache=None,
+        disable_by_batch_size: int | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -75,7 +75,9 @@ class Engine:
         k = num_speculative_tokens if proposer is not None else 0
         self.controller = AdaptiveK(k) if adaptive and k > 0 else FixedK(k)
         self.costs = CostModel()
-        self.cache = target_cache or target.new_cache(max_batch_size, max_model_len)
+        self.disable_by_batch_size = disable_by_batch_size
+        # + k: a row near the end of the context is padded to the batch's widest draft (never committed)
+        self.cache = target.new_cache(max_batch_size, max_model_len + k)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -150,6 +152,8 @@ class Engine:
         return time.perf_counter()
 
     def _choose_k(self, seqs: list[Sequence]) -> list[int]:
+        if self.disable_by_batch_size is not None and len(seqs) > self.disable_by_batch_size:
+            return [0] * len(seqs)
         ks = self.controller.choose([s.estimate for s in seqs], self.costs)
         # never draft past max_tokens (a pass emits k + 1 tokens) or past the context
         return [
@@ -234,8 +238,11 @@ class Engine:
             stop_reason=seq.stop_reason,
             metrics=seq.metrics,
         )
-        out.new_text = seq.text[seq.emitted_chars:]
-        seq.emitted_chars = len(seq.text)
+        end = len(seq.text)
+        if seq.finish_reason is None and seq.params.stop:  # hold back a tail that may yet begin a stop string
+            end = max(seq.emitted_chars, end - (max(len(s) for s in seq.params.stop) - 1))
+        out.new_text = seq.text[seq.emitted_chars:end]
+        seq.emitted_chars = end
         return out
 
     # ----------------------------------------------------------------------------------- batch rows

@@ -8,7 +8,7 @@ decoding; while K = 0 wins, the controller probes with K = 1 every `probe_interv
 that starts agreeing again is noticed.
 
 Example: a = 0.8, t_draft / t_verify = 0.1 -> E(5) = 3.69 tokens for 1.5 pass-times: 2.46 tokens per
-pass-time, better than K = 0 (1.0) or K = 8 (4.33 / 1.8 = 2.41).
+pass-time, better than K = 0 (1.0) or K = 8 (4.33 / 1.8 = 2.40).
 """
 
 from __future__ import annotations

@@ -150,16 +150,19 @@ class DraftModelProposer:
                 torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.cache
             )  # [B, width, V]
             for b, seq in enumerate(seqs):
-                self.cache.advance(seq.row, len(pending[b]) if step == 0 else 1)
-                token, p = self._pick(seq, logits[b, last[b]])
-                tokens[b].append(token)
-                if p is not None:
-                    probs[b].append(p)
+                if step == 0:
+                    self.cache.advance(seq.row, len(pending[b]))
+                if step < ks[b]:  # a row with its ks[b] tokens rides along uncommitted (no cache growth)
+                    if step > 0:
+                        self.cache.advance(seq.row, 1)
+                    token, p = self._pick(seq, logits[b, last[b]])
+                    tokens[b].append(token)
+                    if p is not None:
+                        probs[b].append(p)
             if step + 1 < k_max:
-                inputs = [[t[-1]] for t in tokens]
+                inputs = [[t[-1] if t else seq.tokens[-1]] for t, seq in zip(tokens, seqs)]
                 positions = [[self.cache.lengths[s.row]] for s in seqs]
                 last = [0] * B
-                pending = [[t[-1]] for t in tokens]
         return [
             Draft(tokens[b][:ks[b]], torch.stack(probs[b][:ks[b]]) if probs[b] and ks[b] else None)
             for b in range(B)

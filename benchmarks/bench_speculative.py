@@ -1,0 +1,160 @@
+"""Speculative decoding vs plain decoding, side by side in one run, on real prompt sets.
+
+    .venv/bin/python benchmarks/bench_speculative.py [--humaneval 4] [--spec-bench 1] [--max-tokens 64]
+
+Configurations (all on the same loaded target, same prompts): plain decoding; draft model with fixed
+K = 1..8 and adaptive; prompt lookup (n-gram); a degraded draft (logits permuted) fixed and adaptive;
+and, with --transformers, Hugging Face transformers' plain and assisted generation with the same pair
+(fp32, its best path on this CPU). Greedy and temperature 0.7. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.engine import Engine
+from specdec.metrics import SpecMetrics
+from specdec.speculative.degraded import PermutedLogitsModel
+from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+def load_prompts(tokenizer, n_humaneval: int, per_category: int) -> list[tuple[str, list[int]]]:
+    """HumanEval completions (raw prompts) and Spec-Bench questions (chat template), by task."""
+    out = []
+    with gzip.open(DATA / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        for row in [json.loads(line) for line in f][:n_humaneval]:
+            out.append(("humaneval", tokenizer.encode(row["prompt"])))
+    with open(DATA / "spec_bench" / "question.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    seen: dict[str, int] = {}
+    for row in rows:
+        cat = row["category"]
+        if seen.get(cat, 0) < per_category:
+            seen[cat] = seen.get(cat, 0) + 1
+            text = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}])
+            out.append((f"spec_bench/{cat}", tokenizer.encode(text)))
+    return out
+
+
+def run_engine(engine: Engine, prompts, params: SamplingParams) -> tuple[float, SpecMetrics, list[list[int]]]:
+    """Sequential requests; returns decode seconds (prefill excluded), metrics, outputs."""
+    total = SpecMetrics()
+    outputs = []
+    for i, (_, ids) in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+        out = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                pass
+        out.metrics.total_time = out.metrics.total_time or 0.0
+        total.merge(out.metrics)
+        outputs.append(out.token_ids)
+    decode = total.draft_time + total.target_time
+    return decode, total, outputs
+
+
+def transformers_baseline(prompts, params: SamplingParams, assisted: bool) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.store import resolve_model
+
+    target = AutoModelForCausalLM.from_pretrained(str(resolve_model(TARGET)), dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_pretrained(str(resolve_model(DRAFT)), dtype=torch.float32) if assisted else None
+    seconds, tokens = 0.0, 0
+    for _, ids in prompts:
+        kw = dict(max_new_tokens=params.max_tokens, do_sample=not params.greedy)
+        if not params.greedy:
+            kw.update(temperature=params.temperature)
+        if draft is not None:
+            kw["assistant_model"] = draft
+        t0 = time.perf_counter()
+        out = target.generate(torch.tensor([ids]), **kw)
+        seconds += time.perf_counter() - t0
+        tokens += out.shape[1] - len(ids)
+    return seconds, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--humaneval", type=int, default=4)
+    ap.add_argument("--spec-bench", type=int, default=0, help="prompts per Spec-Bench category")
+    ap.add_argument("--categories", default="coding,writing,math_reasoning,translation,summarization,qa,rag")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ks", default="1,2,3,4,5,6,8")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--transformers", action="store_true", help="add transformers' plain and assisted generation")
+    ap.add_argument("--quantization", default="auto")
+    args = ap.parse_args()
+
+    llm = LLM(TARGET, speculative_model=DRAFT, num_speculative_tokens=5, quantization=args.quantization,
+              max_model_len=2048)
+    prompts = load_prompts(llm.tokenizer, args.humaneval, args.spec_bench)
+    cats = set(args.categories.split(","))
+    prompts = [p for p in prompts if p[0] == "humaneval" or p[0].split("/")[1] in cats]
+    target, draft = llm.target, llm.draft_model
+    bad_draft = PermutedLogitsModel(draft)
+
+    def configs():
+        yield "plain", lambda: Engine(target, llm.tokenizer, None, 0, max_model_len=2048)
+        for k in [int(k) for k in args.ks.split(",")]:
+            yield f"draft K={k}", lambda k=k: Engine(target, llm.tokenizer, DraftModelProposer(draft, 1, 2048), k,
+                                                     max_model_len=2048)
+        yield "draft adaptive<=5", lambda: Engine(target, llm.tokenizer, DraftModelProposer(draft, 1, 2048), 5,
+                                                  adaptive=True, max_model_len=2048)
+        yield "draft adaptive<=8", lambda: Engine(target, llm.tokenizer, DraftModelProposer(draft, 1, 2048), 8,
+                                                  adaptive=True, max_model_len=2048)
+        yield "ngram K=5", lambda: Engine(target, llm.tokenizer, NgramProposer(), 5, max_model_len=2048)
+        yield "degraded K=5", lambda: Engine(target, llm.tokenizer, DraftModelProposer(bad_draft, 1, 2048), 5,
+                                             max_model_len=2048)
+        yield "degraded adaptive", lambda: Engine(target, llm.tokenizer, DraftModelProposer(bad_draft, 1, 2048), 5,
+                                                  adaptive=True, max_model_len=2048)
+
+    results = []
+    print(f"{len(prompts)} prompts ({', '.join(sorted({p[0] for p in prompts}))}), {args.max_tokens} tokens each; "
+          f"target {TARGET} ({llm.quantization}, {llm.dtype}), draft {DRAFT} ({llm.draft_quantization})")
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
+        base_tps = None
+        plain_out = None
+        for name, make in configs():
+            seconds, m, outs = run_engine(make(), prompts, params)
+            tps = m.emitted_tokens / seconds
+            base_tps = base_tps or tps
+            plain_out = plain_out or outs
+            row = {
+                "temperature": temp, "config": name, "tokens_per_s": round(tps, 2),
+                "speedup": round(tps / base_tps, 3), "acceptance_rate": round(m.acceptance_rate, 3),
+                "mean_acceptance_length": round(m.mean_acceptance_length, 3),
+                "per_position": [round(x, 3) for x in m.per_position_acceptance_rate],
+                "draft_share": round(m.draft_time / max(seconds, 1e-9), 3),
+                "drafts_per_pass": round(m.num_drafts / max(m.target_passes, 1), 3),
+                "exact": outs == plain_out if temp == 0 else None,
+            }
+            results.append(row)
+            print(f"T={temp:<4} {name:20} {tps:7.2f} tok/s  x{row['speedup']:<6} accept {row['acceptance_rate']:<6} "
+                  f"len {row['mean_acceptance_length']:<6} draft-time {row['draft_share']:<6} "
+                  f"exact {row['exact']}  per-pos {row['per_position']}", flush=True)
+        if args.transformers:
+            for assisted in (False, True):
+                seconds, tokens = transformers_baseline(prompts, params, assisted)
+                name = "transformers assisted" if assisted else "transformers plain"
+                tps = tokens / seconds
+                results.append({"temperature": temp, "config": name, "tokens_per_s": round(tps, 2),
+                                "speedup": round(tps / base_tps, 3)})
+                print(f"T={temp:<4} {name:20} {tps:7.2f} tok/s  x{tps / base_tps:.3f} (fp32, incl. prefill)", flush=True)
+    print(json.dumps({"benchmark": "speculative", "prompts": len(prompts), "max_tokens": args.max_tokens,
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()

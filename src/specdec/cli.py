@@ -1,0 +1,141 @@
+"""`specdec generate | serve | models | convert | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by generate and serve, with vLLM's names."""
+    parser.add_argument("--speculative-model", help="draft model (path or known name)")
+    parser.add_argument("--num-speculative-tokens", type=int, help="draft length K (fixed; without it K adapts up to 5)")
+    parser.add_argument("--speculative-config", help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="target weight format (auto: int8 on CPUs without native bf16)")
+    parser.add_argument("--max-model-len", type=int, help="context length (default 4096)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+
+
+def build_llm(args: argparse.Namespace, model: str, max_batch_size: int = 1):
+    from specdec.api import LLM
+    from specdec.models.store import KNOWN_MODELS, pull
+
+    for name in (model, args.speculative_model):
+        if name in KNOWN_MODELS:
+            pull(name)  # instant when already pulled
+    return LLM(
+        model=model,
+        speculative_model=args.speculative_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_config=args.speculative_config,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        max_num_seqs=max_batch_size,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.config import SamplingParams
+
+    llm = build_llm(args, args.model)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        seed=args.seed, stop=tuple(args.stop or ()),
+    )
+    tok = llm.tokenizer
+    if args.chat:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    else:
+        ids = tok.encode(args.prompt, add_special_tokens=True)
+    engine = llm.engine
+    engine.add_request("cli", ids, params)
+    start = time.perf_counter()
+    out = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not args.json:
+                print(out.new_text, end="", flush=True)
+    elapsed = time.perf_counter() - start
+    m = out.metrics
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "elapsed_s": round(elapsed, 3), "metrics": m.to_dict()}))
+        return 0
+    summary = f"{len(out.token_ids)} tokens in {elapsed:.2f}s: {len(out.token_ids) / elapsed:.2f} tokens/s " \
+              f"(decode {m.tokens_per_second:.2f} tokens/s, prefill {m.prefill_time:.2f}s)"
+    if llm.spec is not None:
+        summary += f"; acceptance rate {m.acceptance_rate:.2f}, mean acceptance length " \
+                   f"{m.mean_acceptance_length:.2f}, {m.target_passes} target passes"
+    print(f"\n\n[{summary}]", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from specdec.models.store import list_models, pull
+
+    if args.action == "pull":
+        for name in args.names:
+            print(pull(name))
+        return 0
+    for row in list_models():
+        print(f"{row['name']:32} {row['role']:8} {'pulled' if row['pulled'] else 'not pulled':11} {row.get('path') or ''}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from specdec.models.loading import convert_gguf
+
+    print(convert_gguf(args.gguf, args.out_dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("model", help="target model: path (HF folder or .gguf) or known name")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_model_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    from specdec.server.cli import add_serve_arguments, run_serve
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (default: the default model pair)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+    models = sub.add_parser("models", help="pull or list known models")
+    models.add_argument("action", choices=["pull", "list"])
+    models.add_argument("names", nargs="*")
+    models.set_defaults(func=cmd_models)
+
+    conv = sub.add_parser("convert", help="convert a GGUF file to a Hugging Face folder (safetensors)")
+    conv.add_argument("gguf")
+    conv.add_argument("out_dir")
+    conv.set_defaults(func=cmd_convert)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, LookupError, FileExistsError, FileNotFoundError) as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The engine's worker thread and its bridge to asyncio.
+
+`Engine` is synchronous and not thread-safe, so exactly one thread drives it. Handlers talk to that thread
+through a `queue.SimpleQueue` of commands (add, abort, stop); the thread answers each request through the
+request's own `asyncio.Queue`, filled with `loop.call_soon_threadsafe`. The event loop never waits on the
+model.
+
+    stream = await async_engine.add_request(request_id, prompt_token_ids, params)  # ValueError if refused
+    try:
+        async for output in stream:   # one RequestOutput per engine step that advanced this request
+            ...
+    finally:
+        stream.close()                # aborts the request if it has not finished (client gone, error)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from specdec.config import SamplingParams
+from specdec.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread is shutting down (or died); the request was not or will not be completed."""
+
+
+class _Accepted:
+    """Put on a request's queue once `Engine.add_request` has taken it."""
+
+
+_ACCEPTED = _Accepted()
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; `close()` aborts it unless it has finished."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str, outputs: asyncio.Queue):
+        self._owner, self.request_id, self._outputs = owner, request_id, outputs
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._outputs.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs `engine` in a daemon thread. Listeners added with `add_step_listener(fn)` are called in that
+    thread after each step with the step's outputs (e.g. to update Prometheus counters); they must not block."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self._listeners: list[Callable[[list[RequestOutput]], None]] = []
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
+        self._streams: dict[str, _Add] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._stopping = False
+
+    # ---- the asyncio side ----------------------------------------------------------------------------
+
+    def add_step_listener(self, fn: Callable[[list[RequestOutput]], None]) -> None:
+        self._listeners.append(fn)
+
+    def start(self) -> None:
+        if self._thread.ident is None and not self._stopping:
+            self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; returns once the engine took it. Raises ValueError (e.g. too long for the
+        context) if the engine refused it, EngineStoppedError if the engine is shutting down."""
+        if not self.healthy:
+            raise EngineStoppedError("the engine is shutting down" if self._stopping else "the engine is not running")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), outputs))
+        stream = RequestStream(self, request_id, outputs)
+        try:
+            first = await outputs.get()
+        except BaseException:  # cancelled while waiting (client gone): make sure it does not run
+            stream.close()
+            raise
+        if isinstance(first, BaseException):
+            stream.finished = True
+            raise first
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort every request (their streams raise EngineStoppedError) and stop the thread. Safe to call
+        more than once, and from a signal handler when `timeout == 0` (it then only asks)."""
+        self._stopping = True
+        self._inbox.put(_Stop())
+        if timeout and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException:  # a bug in the loop itself: fail what is in flight, loudly
+            logger.exception("the engine thread died")
+        finally:
+            self._stopping = True
+            stopped = EngineStoppedError("the server is shutting down; the request was cancelled")
+            self._fail_all(stopped)
+            while True:  # requests queued after the stop command: refuse them rather than leave them waiting
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, _Add):
+                    _send(cmd, stopped)
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once asked to stop."""
+        while True:
+            try:
+                cmd = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                except Exception as e:  # ValueError: refused (too long, bad params); answered to the caller
+                    _send(cmd, e)
+                    continue
+                self._streams[cmd.request_id] = cmd
+                _send(cmd, _ACCEPTED)
+            elif isinstance(cmd, _Abort) and self._streams.pop(cmd.request_id, None) is not None:
+                self.engine.abort_request(cmd.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
+            return
+        for listener in self._listeners:
+            try:
+                listener(outputs)
+            except Exception:
+                logger.exception("step listener %r failed", listener)
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:  # aborted by us: the engine reports it once more, nobody listens
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            _send(target, _snapshot(out))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, target in list(self._streams.items()):
+            _send(target, error)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort_request(%s) failed", request_id)
+        self._streams.clear()
+
+
+def _send(target: _Add, item: Any) -> None:
+    try:
+        target.loop.call_soon_threadsafe(target.queue.put_nowait, item)
+    except RuntimeError:  # the event loop is closed: nobody is waiting any more
+        pass
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the event loop can read while the engine keeps mutating its own lists and counters."""
+    return dataclasses.replace(
+        out,
+        prompt_token_ids=list(out.prompt_token_ids),
+        new_token_ids=list(out.new_token_ids),
+        token_ids=list(out.token_ids),
+        metrics=dataclasses.replace(out.metrics, accepted_per_position=list(out.metrics.accepted_per_position)),
+    )

@@ -1,0 +1,161 @@
+"""`specdec serve`: flags named as vLLM's, so that switching is a change of program name.
+
+    specdec serve                                       # the default pair, pulled first if needed
+    specdec serve qwen2.5-coder-1.5b-instruct --speculative-model qwen2.5-coder-0.5b-instruct \\
+        --num-speculative-tokens 5 --port 8000 --api-key sk-local
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from types import FrameType
+from typing import Any
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", nargs="?", default=None, metavar="TARGET",
+                        help="target model: a known name, a model folder or a .gguf file "
+                             "(default: qwen2.5-coder-1.5b-instruct drafted by qwen2.5-coder-0.5b-instruct)")
+    parser.add_argument("--speculative-model", default=None, metavar="DRAFT", help="draft model (name or path)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                        help="draft K tokens per step (fixed K; without it K adapts up to 5)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculation as JSON, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--memory-utilization", type=_fraction, default=None, metavar="F",
+                        help="fraction of the device memory the engine may take, in (0, 1]")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (tokens)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="target weight format (auto: int8 on CPUs without native bf16)")
+    parser.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
+                        help="sequences decoded together in one batch (default 1)")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                        help="stop speculating while more than N sequences run")
+    parser.add_argument("--dry-run", action="store_true", help="load, print the memory breakdown and exit")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name(s) clients use (default: TARGET as given)")
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the models, print what was loaded, serve until SIGINT/SIGTERM. Returns the exit status."""
+    from specdec.api import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    target = args.model or DEFAULT_TARGET
+    draft = args.speculative_model
+    if args.model is None and draft is None and args.speculative_config is None:
+        draft = DEFAULT_DRAFT  # the default pair
+    from specdec.memory import MemoryBudgetError
+
+    try:
+        llm = _load(args, target, draft)
+    except (ValueError, LookupError, FileNotFoundError, NotImplementedError, MemoryBudgetError) as e:
+        print(f"specdec serve: {e}", file=sys.stderr)
+        return 2
+    names = args.served_model_name or [target]
+    _print_startup(llm.describe(), names, args)
+    if args.dry_run:
+        print(llm.memory_plan.report())
+        return 0
+    return _serve(llm, names, args)
+
+
+def _load(args: argparse.Namespace, target: str, draft: str | None):
+    from specdec.api import LLM
+
+    _pull_if_needed(target)
+    if draft is not None:
+        _pull_if_needed(draft)
+    spec_config = args.speculative_config
+    if args.speculative_disable_by_batch_size is not None:
+        spec_config = json.loads(spec_config) if spec_config else {}
+        spec_config["disable_by_batch_size"] = args.speculative_disable_by_batch_size
+    kwargs: dict[str, Any] = dict(model=target, speculative_model=draft,
+                                  num_speculative_tokens=args.num_speculative_tokens,
+                                  speculative_config=spec_config, dtype=args.dtype,
+                                  quantization=args.quantization, max_model_len=args.max_model_len,
+                                  max_num_seqs=args.max_num_seqs)
+    if args.memory_utilization is not None:
+        kwargs["memory_utilization"] = args.memory_utilization
+    return LLM(**kwargs)
+
+
+def _pull_if_needed(name_or_path: str) -> None:
+    """A known model name not on this machine yet is pulled (verified) first, as vLLM downloads."""
+    from specdec.models.store import ModelNotPulledError, pull, resolve_model
+
+    try:
+        resolve_model(name_or_path)
+    except ModelNotPulledError:
+        print(f"pulling {name_or_path} ...", file=sys.stderr)
+        pull(name_or_path)
+
+
+def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdec.server.app import build_app
+    from specdec.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(llm.engine)
+    app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Abort in-flight requests at once (their streams end with an error event), so that uvicorn's
+            # graceful shutdown, which waits for open responses, does not wait for whole generations.
+            engine.shutdown(timeout=0)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once shut down
+        pass
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1
+
+
+def _print_startup(info: dict[str, Any], names: list[str], args: argparse.Namespace) -> None:
+    spec = info.get("speculative")
+    print(f"specdec serve: target {info.get('model')} ({info.get('model_path')})")
+    print(f"  device {info.get('device')}, dtype {info.get('dtype')}, max_model_len {info.get('max_model_len')}")
+    if spec:
+        settings = ", ".join(f"{k}={v}" for k, v in spec.items())
+        print(f"  speculation: {settings}")
+    else:
+        print("  speculation: off")
+    for part, n in (info.get("memory_bytes") or {}).items():
+        print(f"  memory {part}: {n / 2**20:.1f} MiB")
+    print(f"  served model name: {', '.join(names)}" + ("; API key required" if args.api_key else ""))
+    print(f"  OpenAI API at http://{_url_host(args.host)}:{args.port}/v1", flush=True)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specdec.server.cli` (the same as `specdec serve`)."""
+    parser = add_serve_arguments(argparse.ArgumentParser(prog="specdec serve"))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The engine on tiny random models: exact stop rules inside accepted drafts, greedy equivalence between
+speculative and plain decoding (token for token, fp32 and bf16, every proposer, K in 1/3/5/8, fixed and
+adaptive, single and batched), seeded sampling, abort, and the metrics' bookkeeping."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, varied_model
+from specdec.config import SamplingParams
+from specdec.engine import Engine
+from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_LEN = 256
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# repetitive prompts (so prompt lookup has something to find) and one without repeats
+PROMPTS = (
+    (1, 2, 3, 4, 1, 2, 3, 4, 1, 2),
+    (50, 60, 50, 60, 50, 60, 50),
+    (7, 3, 88, 41, 9, 12),
+)
+
+
+@lru_cache(maxsize=None)
+def target(dtype_name: str):
+    return varied_model(seed=0, dtype=DTYPES[dtype_name])
+
+
+@lru_cache(maxsize=None)
+def draft(dtype_name: str, kind: str):
+    if kind == "other seed":
+        return varied_model(seed=1, dtype=DTYPES[dtype_name])
+    if kind == "noisy copy":  # agrees with the target about half the time
+        return noisy_copy(target(dtype_name), std=0.35)
+    if kind == "self":
+        return target(dtype_name)
+    raise ValueError(kind)
+
+
+def make_proposer(dtype_name: str, kind: str, max_batch_size: int = 1):
+    if kind == "ngram":
+        return NgramProposer(max_n=3)
+    return DraftModelProposer(draft(dtype_name, kind), max_batch_size, MAX_LEN)
+
+
+def run(engine: Engine, requests, join_at=None):
+    """Add `requests` ([(id, prompt, params)]), request i at step join_at[i] (default 0), and step until all
+    finish. Returns {id: final output} and checks that the streamed deltas add up to the final output."""
+    join_at = join_at or [0] * len(requests)
+    finals, streamed_ids, streamed_text = {}, {}, {}
+    step = 0
+    while len(finals) < len(requests):
+        for (rid, prompt, params), at in zip(requests, join_at):
+            if at == step:
+                engine.add_request(rid, list(prompt), params)
+        for out in engine.step():
+            streamed_ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+            streamed_text[out.request_id] = streamed_text.get(out.request_id, "") + out.new_text
+            if out.finished:
+                assert out.request_id not in finals
+                finals[out.request_id] = out
+        step += 1
+        assert step < 10_000
+    assert not engine.has_unfinished_requests()
+    for rid, out in finals.items():
+        assert streamed_ids[rid] == out.token_ids
+        assert streamed_text[rid] == out.text  # a streamed stop-string prefix would show here
+    return finals
+
+
+def generate(engine: Engine, prompt, params: SamplingParams):
+    return run(engine, [("r", prompt, params)])["r"]
+
+
+@lru_cache(maxsize=None)
+def plain(dtype_name: str, prompt: tuple[int, ...], max_tokens: int = 40) -> tuple[int, ...]:
+    engine = Engine(target(dtype_name), FakeTokenizer(), max_model_len=MAX_LEN)
+    out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+    return tuple(out.token_ids)
+
+
+def assert_metrics_consistent(out) -> None:
+    m = out.metrics
+    assert m.emitted_tokens == len(out.token_ids)
+    assert m.num_accepted_tokens <= m.num_draft_tokens and m.num_drafts <= m.target_passes
+    assert sum(m.accepted_per_position) == m.num_accepted_tokens
+    assert all(a >= b for a, b in zip(m.accepted_per_position, m.accepted_per_position[1:]))  # a chain
+    assert m.accepted_per_position[:1] <= [m.num_drafts]
+    assert m.mean_acceptance_length == pytest.approx(m.emitted_tokens / m.target_passes)
+
+
+# ------------------------------------------------------------------------------------------- stop rules
+def oracle(continuation: list[int], wrong_at: int | None = None):
+    """A scripted proposer that drafts the target's own greedy continuation (so every drafted token is
+    accepted), optionally with a wrong token at output position `wrong_at` (rejected there)."""
+
+    def script(seq):
+        n = len(seq.tokens) - len(seq.prompt_ids)
+        draft = list(continuation[n:])
+        if wrong_at is not None and n <= wrong_at < n + len(draft):
+            draft[wrong_at - n] = (continuation[wrong_at] + 1) % 96
+        return draft
+
+    return ScriptedProposer(script)
+
+
+STOP_PROMPT = (11, 12, 13, 14, 15)
+
+
+@pytest.fixture(scope="module")
+def continuation():
+    """The fp32 target's greedy continuation of STOP_PROMPT; its first 8 tokens are distinct and none is 96."""
+    with torch.inference_mode():
+        cont = list(plain("fp32", STOP_PROMPT, 40))
+    assert len(set(cont[:8])) == 8 and 96 not in cont[:12], cont
+    return cont
+
+
+@pytest.mark.parametrize("eos_at", range(6))
+def test_eos_inside_an_accepted_draft_ends_the_output_there(continuation, eos_at):
+    """K = 5, every drafted token accepted: the first pass emits continuation[0:6]. Make continuation[eos_at]
+    the EOS id: the output is continuation[:eos_at + 1], nothing after the EOS is emitted."""
+    eos = continuation[eos_at]
+    proposer = oracle(continuation)
+    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), proposer, 5, max_model_len=MAX_LEN)
+    out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30))
+    assert out.token_ids == continuation[: eos_at + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", eos)
+    assert out.text == "".join(letter(t) for t in continuation[:eos_at])  # the EOS itself has no text
+    assert proposer.calls[0][2] == continuation[:5]  # the draft did carry the tokens after the EOS
+    assert out.metrics.target_passes == 1 and out.metrics.num_accepted_tokens == 5
+    assert_metrics_consistent(out)
+    # with ignore_eos the same pass keeps going
+    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation), 5, max_model_len=MAX_LEN)
+    out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert out.token_ids == continuation[:30] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("eos_at", [0, 2, 4])
+def test_eos_as_the_recovered_token(continuation, eos_at):
+    """The draft is wrong at position eos_at; the target's own token there (the recovered token) is EOS."""
+    eos = continuation[eos_at]
+    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation, wrong_at=eos_at), 5,
+                    max_model_len=MAX_LEN)
+    out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30))
+    assert out.token_ids == continuation[: eos_at + 1] and out.stop_reason == eos
+    assert out.metrics.num_accepted_tokens == eos_at
+
+
+@pytest.mark.parametrize("k", [1, 5, 8])
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 7, 9, 13])
+def test_max_tokens_is_never_exceeded(continuation, k, max_tokens):
+    """Every drafted token is accepted, so each pass could emit k + 1 tokens; the output stops at exactly
+    max_tokens, and no pass is asked to draft beyond it."""
+    proposer = oracle(continuation)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN)
+    out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens))
+    assert out.token_ids == continuation[:max_tokens]
+    assert out.finish_reason == "length" and out.stop_reason is None
+    produced = 0
+    for _, asked, _ in proposer.calls:
+        assert asked <= max_tokens - produced - 1
+        produced += asked + 1
+    assert_metrics_consistent(out)
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+def test_stop_string_inside_an_accepted_draft_truncates_there(continuation, start):
+    """Stop string = the text of continuation[start:start + 2], completed inside the first pass's
+    accepted draft (K = 5): the text ends right before it, no token after the one completing it is
+    emitted, finish_reason "stop" and stop_reason the string."""
+    text = "".join(letter(t) for t in continuation)
+    stop = text[start:start + 2]
+    assert text.find(stop) == start
+    proposer = oracle(continuation)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, 5, max_model_len=MAX_LEN)
+    out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=("zzzz", stop)))
+    assert out.text == text[:start]
+    assert out.token_ids == continuation[: start + 2]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.metrics.target_passes == 1
+
+
+def test_stop_string_across_steps(continuation):
+    """A stop string that begins in one pass's output and ends in the next: the final text ends before it,
+    and the streamed `new_text` never carried its beginning (regression: "ngplon" streamed, "ngpl" final)."""
+    text = "".join(letter(t) for t in continuation)
+    stop = text[4:8]  # the first pass (K = 5) emits tokens 0..5, the second completes the string at 7
+    assert text.find(stop) == 4
+    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), 5, max_model_len=MAX_LEN)
+    out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=stop))
+    assert out.text == text[:4] and out.token_ids == continuation[:8]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+# ------------------------------------------------------------------------------------------- greedy equivalence
+PROPOSERS = ("other seed", "noisy copy", "self", "ngram")
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("kind", PROPOSERS)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_greedy_speculative_equals_plain(dtype_name, kind, k, adaptive):
+    totals = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
+    for prompt in PROMPTS:
+        engine = Engine(target(dtype_name), FakeTokenizer(), make_proposer(dtype_name, kind), k, adaptive,
+                        max_model_len=MAX_LEN)
+        out = generate(engine, prompt, GREEDY)
+        assert tuple(out.token_ids) == plain(dtype_name, prompt), f"prompt {prompt}"
+        assert_metrics_consistent(out)
+        m = out.metrics
+        totals = [totals[0] + m.num_drafts, totals[1] + m.num_draft_tokens, totals[2] + m.num_accepted_tokens]
+        if kind == "self":  # the target drafting for itself: every drafted token must be accepted
+            assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    drafts, drafted, accepted = totals
+    assert drafts > 0  # the proposer did draft (ngram: its lookups found matches)
+    if kind == "noisy copy":  # exercises partial acceptance and rollback
+        assert 0 < accepted < drafted
+    if kind == "ngram":
+        assert accepted > 0
+
+
+def test_stock_tiny_model_greedy_equivalence():
+    """The stock `tiny_model` (no weight scaling) too, in bf16, with its own seed-1 sibling as draft."""
+    tgt, drf = tiny_model("llama", 0, torch.bfloat16), tiny_model("llama", 1, torch.bfloat16)
+    prompt = [4, 8, 15, 16, 23, 42]
+    ref = generate(Engine(tgt, FakeTokenizer(), max_model_len=MAX_LEN), prompt, GREEDY).token_ids
+    for proposer, k in ((DraftModelProposer(drf, 1, MAX_LEN), 4), (DraftModelProposer(tgt, 1, MAX_LEN), 5),
+                        (NgramProposer(), 3)):
+        out = generate(Engine(tgt, FakeTokenizer(), proposer, k, max_model_len=MAX_LEN), prompt, GREEDY)
+        assert out.token_ids == ref
+
+
+BATCH_REQUESTS = [
+    # (id, prompt, max_tokens, step at which it joins)
+    ("a", (1, 2, 3, 4, 1, 2, 3, 4, 1, 2), 25, 0),
+    ("b", (50, 60, 50), 9, 0),
+    ("c", (7, 3, 88, 41, 9, 12, 30, 31, 32, 7, 3, 88), 30, 2),
+    ("d", (20, 21, 22, 20, 21), 17, 3),
+    ("e", (5, 5, 5, 5, 5, 5, 5, 5), 12, 7),
+    ("f", (90, 1, 90, 2, 90, 3), 21, 7),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,k,adaptive",
+    [("plain", 0, False), ("ngram", 3, False), ("noisy copy", 4, False), ("noisy copy", 5, True), ("self", 3, False),
+     ("other seed", 2, True)],
+)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_batched_outputs_equal_unbatched(dtype_name, kind, k, adaptive):
+    """max_batch_size = 3; six requests of different prompt lengths and max_tokens join at different steps
+    (waiting when the batch is full) and leave as they finish (rows are repacked): every output is its own
+    unbatched plain greedy output."""
+    proposer = None if kind == "plain" else make_proposer(dtype_name, kind, max_batch_size=3)
+    engine = Engine(target(dtype_name), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN, max_batch_size=3)
+    requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for rid, prompt, n, _ in BATCH_REQUESTS]
+    finals = run(engine, requests, join_at=[at for *_, at in BATCH_REQUESTS])
+    for rid, prompt, n, _ in BATCH_REQUESTS:
+        assert tuple(finals[rid].token_ids) == plain(dtype_name, prompt, 40)[:n], f"request {rid}"
+        assert_metrics_consistent(finals[rid])
+        if kind == "self":
+            assert finals[rid].metrics.num_accepted_tokens == finals[rid].metrics.num_draft_tokens
+    assert engine.metrics.emitted_tokens == sum(n for _, _, n, _ in BATCH_REQUESTS)  # cumulative metrics
+
+
+@pytest.mark.parametrize("kind", ["scripted", "other seed", "noisy copy", "ngram"])
+def test_batch_with_a_sequence_at_the_end_of_the_context(kind):
+    """max_model_len = 32: request "0" runs to the last position of the context while request "1" drafts
+    K = 5. The batch's target pass pads "0" to the widest draft, and a draft model keeps feeding rows that
+    asked for fewer tokens: neither may run past the caches (regression: "sequence of 33 tokens exceeds the
+    KV cache capacity of 32")."""
+    L = 32
+    requests = [("0", tuple(range(1, 21)), 12), ("1", (3, 4, 5, 3, 4, 5, 3, 4, 5), 23)]
+    if kind == "scripted":  # no draft for "0", five (wrong) drafted tokens for "1" at every step
+        proposer = ScriptedProposer(lambda seq: [] if seq.request_id == "0" else [1, 2, 3, 4, 5])
+    else:
+        proposer = NgramProposer() if kind == "ngram" else DraftModelProposer(draft("fp32", kind), 2, L)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, 5, max_model_len=L, max_batch_size=2)
+    finals = run(engine, [(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                          for rid, p, n in requests])
+    for rid, prompt, n in requests:
+        assert tuple(finals[rid].token_ids) == plain("fp32", prompt, n)
+        assert len(prompt) + len(finals[rid].token_ids) <= L
+
+
+def test_abort_leaves_the_others_exact():
+    engine = Engine(target("bf16"), FakeTokenizer(), make_proposer("bf16", "noisy copy", 3), 3, max_model_len=MAX_LEN,
+                    max_batch_size=3)
+    for rid, prompt in zip("xyz", PROMPTS):
+        engine.add_request(rid, list(prompt), GREEDY)
+    finals = {}
+    for step in range(200):
+        if step == 3:
+            engine.abort_request("y")
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert finals["y"].finish_reason == "abort" and 0 < len(finals["y"].token_ids) < 40
+    assert tuple(finals["x"].token_ids) == plain("bf16", PROMPTS[0])
+    assert tuple(finals["z"].token_ids) == plain("bf16", PROMPTS[2])
+
+
+# ------------------------------------------------------------------------------------------- seeded sampling
+SAMPLING = dict(temperature=0.9, top_k=40, max_tokens=30, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind,k", [("plain", 0), ("ngram", 3), ("noisy copy", 4), ("other seed", 2)])
+def test_seeded_sampling_is_reproducible(kind, k):
+    def sampled(seed: int) -> list[int]:
+        proposer = None if kind == "plain" else make_proposer("fp32", kind)
+        engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN)
+        return generate(engine, PROMPTS[0], SamplingParams(seed=seed, **SAMPLING)).token_ids
+
+    first = sampled(123)
+    assert sampled(123) == first
+    # 30 tokens at temperature 0.9 from a 97-token vocabulary: two seeds agreeing on all of them is
+    # vanishingly unlikely (and the seeds are fixed)
+    others = [sampled(s) for s in (124, 7)]
+    assert all(o != first for o in others) and others[0] != others[1]
+    assert first != list(plain("fp32", PROMPTS[0]))[:30]  # it did sample
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    """Each sequence has its own generator, and the target's logits are the same bits batched or not:
+    with prompt lookup (which draws nothing), a seeded request samples the same tokens alone or in a batch."""
+    params = [SamplingParams(seed=s, **SAMPLING) for s in (1, 2, 3)]
+    alone = [
+        generate(Engine(target("bf16"), FakeTokenizer(), NgramProposer(), 3, max_model_len=MAX_LEN), prompt,
+                 p).token_ids
+        for prompt, p in zip(PROMPTS, params)
+    ]
+    engine = Engine(target("bf16"), FakeTokenizer(), NgramProposer(), 3, max_model_len=MAX_LEN, max_batch_size=3)
+    finals = run(engine, [(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(PROMPTS, params))], join_at=[0, 1, 4])
+    assert [finals[str(i)].token_ids for i in range(3)] == alone

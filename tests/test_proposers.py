@@ -1,0 +1,222 @@
+"""Proposers: n-gram lookup tables, the draft-model proposer's drafts and cache rollback, and the
+draft/target compatibility check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from fakes import FakeTokenizer, one_intra_op_thread, varied_model
+from specdec.config import ModelConfig, SamplingParams
+from specdec.sampling import make_generator
+from specdec.speculative.acceptance import Verdict
+from specdec.speculative.compat import IncompatibleDraftError, check_draft_compatible
+from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer
+
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    row: int = 0
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0))
+    generator: torch.Generator = field(default_factory=lambda: make_generator(0))
+
+
+# ------------------------------------------------------------------------------------------- n-gram
+NGRAM_TABLE = [
+    # (name, context, max_n, min_n, k, expected draft)
+    ("docstring example", [1, 2, 3, 9, 1, 2], 2, 1, 3, [3, 9, 1]),
+    ("continuation may run into the suffix", [1, 2, 3, 9, 1, 2], 2, 1, 10, [3, 9, 1, 2]),
+    # [5 6 7] occurs at 0 (-> 8); the 1-gram [7] occurs more recently at 5 (-> 9): the longest match wins
+    ("longest match first", [5, 6, 7, 8, 0, 7, 9, 5, 6, 7], 3, 1, 2, [8, 0]),
+    ("shorter n when the longest has no match", [5, 6, 7, 8, 0, 7, 9, 4, 6, 7], 3, 1, 2, [8, 0]),
+    ("only the 1-gram matches", [5, 6, 7, 8, 0, 7, 9, 4, 3, 7], 3, 1, 2, [9, 4]),
+    ("max_n caps the match length", [5, 6, 7, 8, 0, 7, 9, 5, 6, 7], 1, 1, 2, [9, 5]),
+    ("most recent occurrence", [1, 2, 3, 1, 2, 4, 1, 2], 2, 1, 3, [4, 1, 2]),
+    ("most recent occurrence, 1-gram", [4, 8, 4, 9, 4], 1, 1, 1, [9]),
+    ("no match: empty draft", [1, 2, 3, 4, 5], 4, 1, 3, []),
+    ("min_n rejects shorter matches", [5, 6, 7, 8, 0, 7, 9, 4, 3, 7], 3, 2, 2, []),
+    ("k limits the draft", [1, 2, 3, 4, 5, 6, 1, 2], 2, 1, 1, [3]),
+    ("k = 0: empty", [1, 2, 3, 1, 2], 2, 1, 0, []),
+    ("overlapping match in a run", [3, 3, 3, 3], 2, 1, 4, [3]),
+    ("one token: nothing earlier", [7], 4, 1, 3, []),
+    ("two equal tokens", [7, 7], 4, 1, 3, [7]),
+    ("context shorter than max_n", [1, 2, 1], 4, 1, 2, [2, 1]),
+]
+
+
+@pytest.mark.parametrize("name,context,max_n,min_n,k,expected", NGRAM_TABLE, ids=[c[0] for c in NGRAM_TABLE])
+def test_ngram_lookup(name, context, max_n, min_n, k, expected):
+    assert NgramProposer(max_n=max_n, min_n=min_n).lookup(context, k) == expected
+
+
+def test_ngram_propose_is_batch_first_and_point_mass():
+    proposer = NgramProposer(max_n=2)
+    seqs = [Seq([1, 2, 3, 1, 2]), Seq([4, 5, 6], row=1), Seq([9, 9, 8, 9], row=2)]
+    drafts = proposer.propose(seqs, [2, 3, 0])
+    assert drafts == [Draft([3, 1]), Draft([]), Draft([])]
+    assert all(d.probs is None for d in drafts)
+    proposer.observe(seqs, drafts, [Verdict(1, 0)] * 3)  # no memory: observing changes nothing
+    assert proposer.propose(seqs, [2, 3, 0]) == drafts
+    assert proposer.memory_bytes == 0
+
+
+# ------------------------------------------------------------------------------------------- draft model
+@pytest.fixture(scope="module")
+def draft_model():
+    with torch.inference_mode():
+        return varied_model(seed=5)
+
+
+def greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
+    """Reference: the model's greedy continuation, one token per full forward without a cache reuse."""
+    tokens = list(prompt)
+    for _ in range(n):
+        cache = model.new_cache(1, len(tokens) + 1)
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache, num_logits=1)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_draft_model_greedy_draft_and_rollback(draft_model):
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    ref = greedy_continuation(draft_model, prompt, 12)
+    proposer = DraftModelProposer(draft_model, max_batch_size=2, capacity=64)
+    seq = Seq(list(prompt))
+
+    draft = proposer.propose([seq], [4])[0]
+    assert draft.tokens == ref[:4] and draft.probs is None
+    n = len(prompt)
+    assert proposer.cache.lengths[0] == n + 3  # prompt, then drafted tokens 0..2 fed (3 is never fed)
+
+    # two accepted, then the target recovers ref[2] (here it agrees with the draft's own choice)
+    proposer.observe([seq], [draft], [Verdict(2, ref[2])])
+    assert proposer.cache.lengths[0] == n + 2  # rolled back to the kept tokens
+    seq.tokens += ref[:3]
+    draft = proposer.propose([seq], [3])[0]
+    assert draft.tokens == ref[3:6]
+
+    # everything accepted: the last drafted token and the bonus token are both fed next time
+    proposer.observe([seq], [draft], [Verdict(3, ref[6])])
+    assert proposer.cache.lengths[0] == len(seq.tokens) + 2  # the 3rd drafted token was never fed
+    seq.tokens += ref[3:7]
+    draft = proposer.propose([seq], [2])[0]
+    assert draft.tokens == ref[7:9]
+
+    # a rejection at the first position: the recovered token differs from the draft's own choice
+    proposer.observe([seq], [draft], [Verdict(0, (ref[7] + 1) % 97)])
+    assert proposer.cache.lengths[0] == len(seq.tokens)
+    seq.tokens += [(ref[7] + 1) % 97]
+    draft = proposer.propose([seq], [2])[0]
+    assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 2)
+
+
+def test_draft_model_catches_up_after_steps_without_drafting(draft_model):
+    prompt = [3, 1, 4, 1, 5]
+    proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, prefill_chunk=2)
+    seq = Seq(list(prompt))
+    draft = proposer.propose([seq], [1])[0]
+    proposer.observe([seq], [draft], [Verdict(0, 9)])
+    # five tokens decoded without the draft model (K = 0 steps): it must catch up in one proposal
+    seq.tokens += [9, 2, 6, 5, 3, 5]
+    assert proposer.propose([seq], [0]) == [Draft([])]
+    proposer.observe([seq], [Draft([])], [Verdict(0, 8)])  # a step it did not draft is ignored
+    seq.tokens.append(8)
+    draft = proposer.propose([seq], [3])[0]
+    assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 3)
+
+
+def test_draft_model_batch_rows_and_per_sequence_k(draft_model):
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41], [7, 7, 7, 7, 7]]
+    proposer = DraftModelProposer(draft_model, max_batch_size=3, capacity=64)
+    seqs = [Seq(list(p), row=i) for i, p in enumerate(prompts)]
+    drafts = proposer.propose(seqs, [3, 1, 0])
+    assert [len(d.tokens) for d in drafts] == [3, 1, 0]
+    # a row grows only by the drafted tokens it feeds (k - 1); the others ride along uncommitted
+    assert proposer.cache.lengths[:3] == [len(prompts[0]) + 2, len(prompts[1]), len(prompts[2])]
+    for seq, draft in zip(seqs, drafts):
+        assert draft.tokens == greedy_continuation(draft_model, seq.tokens, len(draft.tokens))
+    proposer.observe(seqs, drafts, [Verdict(3, 11), Verdict(0, 12), Verdict(0, 13)])
+    for seq, draft, nxt in zip(seqs, drafts, (11, 12, 13)):
+        seq.tokens += draft.tokens + [nxt] if seq.row == 0 else [nxt]
+    drafts = proposer.propose(seqs, [2, 2, 2])
+    for seq, draft in zip(seqs, drafts):
+        assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 2)
+    # the engine keeps rows packed: row 2 moves to row 0 when the sequence in row 0 finishes
+    proposer.observe(seqs, drafts, [Verdict(0, 21), Verdict(0, 22), Verdict(0, 23)])
+    for seq, nxt in zip(seqs, (21, 22, 23)):
+        seq.tokens.append(nxt)
+    proposer.move_row(2, 0)
+    proposer.release(2)
+    assert proposer.cache.lengths[2] == 0
+    moved = Seq(seqs[2].tokens, row=0)
+    assert proposer.propose([moved, seqs[1]], [2, 1])[0].tokens == greedy_continuation(draft_model, moved.tokens, 2)
+
+
+def test_draft_model_sampling_returns_processed_probs(draft_model):
+    params = SamplingParams(temperature=0.8, top_k=10, seed=3)
+    proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64)
+    drafts = []
+    for _ in range(2):
+        proposer.release(0)
+        seq = Seq([1, 2, 3], params=params, generator=make_generator(3))
+        drafts.append(proposer.propose([seq], [4])[0])
+    draft = drafts[0]
+    assert draft.probs.shape == (4, 97)
+    assert torch.allclose(draft.probs.sum(-1), torch.ones(4))
+    assert bool(((draft.probs > 0).sum(-1) == 10).all())  # top-k applied
+    assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+    assert drafts[1].tokens == draft.tokens and torch.equal(drafts[1].probs, draft.probs)  # seeded
+    assert proposer.memory_bytes > proposer.cache.nbytes > 0
+
+
+# ------------------------------------------------------------------------------------------- compatibility
+def config(vocab_size: int = 97) -> ModelConfig:
+    return ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def test_compatible_pair_passes():
+    check_draft_compatible(FakeTokenizer(), FakeTokenizer(), config(), config())
+
+
+def test_padded_embedding_is_fine():
+    # the target's embedding is padded to 128 rows, the draft's to 112: both cover the 97 ids
+    check_draft_compatible(FakeTokenizer(), FakeTokenizer(), config(128), config(112))
+
+
+@pytest.mark.parametrize(
+    "draft_tok,draft_vocab,message",
+    [
+        (FakeTokenizer(vocab_size=90, eos_token_ids=(89,)), 97,
+         "vocabularies differ (97 vs 90 tokens: 7 only in the target"),
+        # id 3 renamed, and id 4 named as the target's id 3
+        (FakeTokenizer(names={3: "<x>", 4: "<3:d>"}), 97,
+         "vocabularies differ (97 vs 97 tokens: 1 only in the target, 1 only in the draft, 1 with different ids)"),
+        (FakeTokenizer(eos_token_ids=(95,)), 97, "eos_token_ids differs (target (96,), draft (95,))"),
+        (FakeTokenizer(bos_token_id=0), 97, "bos_token_id differs (target None, draft 0)"),
+        (FakeTokenizer(pad_token_id=1), 97, "pad_token_id differs (target None, draft 1)"),
+        (FakeTokenizer(), 64, "the draft's embedding has 64 rows but the tokenizer uses ids up to 96"),
+    ],
+    ids=["different vocab size", "remapped ids", "different eos", "different bos", "different pad",
+         "embedding too small"],
+)
+def test_mismatch_is_rejected_with_what_differs(draft_tok, draft_vocab, message):
+    with pytest.raises(IncompatibleDraftError) as info:
+        check_draft_compatible(FakeTokenizer(), draft_tok, config(), config(draft_vocab))
+    assert message in str(info.value)
+    assert str(info.value).startswith("the draft model cannot serve this target")
+
+
+def test_every_difference_is_reported():
+    draft_tok = FakeTokenizer(vocab_size=90, eos_token_ids=(89,))
+    with pytest.raises(IncompatibleDraftError) as info:
+        check_draft_compatible(FakeTokenizer(), draft_tok, config(), config(90))
+    text = str(info.value)
+    assert "vocabularies differ" in text and "eos_token_ids differs (target (96,), draft (89,))" in text
+    assert isinstance(info.value, ValueError)

@@ -1,0 +1,249 @@
+"""The real `openai` client against a live `specdec serve` on the real default pair (1.5B target, 0.5B draft).
+
+One server for the module, started as a subprocess on a free local port; the reference is `specdec.LLM` with
+the same target and speculation off, loaded in this process while the server loads. Greedy answers must
+equal the reference token for token (`return_token_ids`, vLLM's extension, carries the ids). Requests are
+short (a 1.5B target decodes a few tokens/s on 2 CPU cores): the module takes about 3-4 minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.real
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+CHAT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+PROMPT = "def fibonacci(n):\n"
+N = 16  # max_tokens of the comparisons
+
+
+def serve_command(port: int) -> list[str]:
+    """`python -m specdec serve` on the default pair, with K fixed at 5 so that every step drafts: the
+    exactness checks then exercise the speculative path throughout (adaptive K may switch drafting off on
+    a slow CPU)."""
+    return [sys.executable, "-m", "specdec", "serve", "--port", str(port), "--num-speculative-tokens", "5"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(serve_command(port), stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield proc, url, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Plain decoding (no speculation), loaded while the server loads."""
+    from specdec.api import LLM
+    from specdec.config import SamplingParams
+
+    llm = LLM(model=TARGET)
+    cache: dict = {}
+
+    def run(kind: str, what, max_tokens: int = N):
+        key = (kind, json.dumps(what), max_tokens)
+        if key not in cache:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens)
+            cache[key] = (llm.chat(what, params) if kind == "chat" else llm.generate(what, params))[0]
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def url(server, reference):
+    proc, url, log = server
+    deadline = time.time() + 900
+    while True:
+        assert proc.poll() is None, f"specdec serve exited:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"specdec serve did not come up:\n{log.read_text()[-3000:]}"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=600)
+
+
+def token_ids(choice) -> list[int]:
+    return (choice.model_extra or {})["token_ids"]
+
+
+def test_startup_and_models(url, server):
+    _, _, log = server
+    text = log.read_text()
+    assert "speculation: method=draft_model" in text and "num_speculative_tokens=5, adaptive=False" in text and "qwen2.5-coder-0.5b-instruct" in text
+    assert "memory target_weights" in text and "memory draft_weights" in text and url + "/v1" in text
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == [TARGET]
+
+
+def test_chat_greedy_equals_plain_decoding_streamed_or_not(client, reference):
+    ref = reference("chat", CHAT)
+    r = client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=N, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    (choice,) = r.choices
+    assert token_ids(choice) == ref.token_ids
+    assert choice.message.content == ref.text and choice.finish_reason == ref.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    spec = r.model_extra["specdec"]
+    assert spec["emitted_tokens"] == len(ref.token_ids) and spec["num_draft_tokens"] > 0  # it did speculate
+
+    stream = client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=N, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert text == choice.message.content and ids == ref.token_ids
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+
+
+def test_completion_greedy_equals_plain_decoding_streamed_or_not(client, reference):
+    ref = reference("generate", PROMPT)
+    r = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=N, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    (choice,) = r.choices
+    assert token_ids(choice) == ref.token_ids and choice.text == ref.text
+    assert r.usage.completion_tokens == len(ref.token_ids) and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=N, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def scrape(url: str) -> dict:
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return samples
+
+
+def test_metrics_counters_move_by_the_request(url, client):
+    before = scrape(url)
+    r = client.completions.create(model=TARGET, prompt="# quicksort in Python\n", max_tokens=16, temperature=0)
+    after = scrape(url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    spec = r.model_extra["specdec"]
+    assert delta("specdec:spec_decode_num_drafts_total") == spec["num_drafts"] > 0
+    assert delta("specdec:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+    assert delta("specdec:spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
+    for pos, n in enumerate(spec["accepted_per_position"]):
+        assert delta("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == n
+    assert delta("specdec:generation_tokens_total") == r.usage.completion_tokens == spec["emitted_tokens"]
+    assert delta("specdec:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("specdec:request_success_total", finished_reason=r.choices[0].finish_reason) == 1
+    assert delta("specdec:time_to_first_token_seconds_count") == 1
+    assert delta("specdec:e2e_request_latency_seconds_count") == 1
+
+
+def test_errors_then_normal_answers(url, client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=4, n=2)
+    assert e.value.body["param"] == "n"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 4})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    numbers = [int(n) for n in re.findall(r"\d+", error["message"])]
+    assert 4096 in numbers and any(n > 5000 for n in numbers)  # the context, and how long the prompt was
+    r = httpx.post(url + "/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=4, temperature=0).usage.completion_tokens == 4
+
+
+def test_concurrent_streams_all_complete_and_correct(url, reference):
+    """Three clients at once (two of them ask what earlier tests asked: their references are cached)."""
+    aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=600)
+
+    async def completion(prompt: str, max_tokens: int) -> str:
+        stream = await aclient.completions.create(model=TARGET, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def chat() -> str:
+        stream = await aclient.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=N, temperature=0,
+                                                       stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(chat(), completion(PROMPT, N), completion("class Stack:\n", 8))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(all_of_them()) == [reference("chat", CHAT).text, reference("generate", PROMPT).text,
+                                          reference("generate", "class Stack:\n", 8).text]
+
+
+def test_disconnect_mid_stream_frees_the_slot(url, client):
+    before = scrape(url)
+    with httpx.Client(timeout=600) as c, c.stream(
+            "POST", url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break  # one piece of text, then hang up
+    deadline = time.time() + 120
+    while scrape(url).get(("specdec:request_success_total", (("finished_reason", "abort"),)), 0) == \
+            before.get(("specdec:request_success_total", (("finished_reason", "abort"),)), 0):
+        assert time.time() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.5)
+    r = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    after = scrape(url)
+    generated = after[("specdec:generation_tokens_total", ())] - before[("specdec:generation_tokens_total", ())]
+    assert generated < 100  # the abandoned request stopped early (4 of these are the last request's)
+    assert after[("specdec:num_requests_running", ())] == 0
+
+
+def test_sigterm_exits_cleanly(server, url):
+    proc, _, log = server
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) in (0, -signal.SIGTERM)
+    assert "Traceback" not in log.read_text()

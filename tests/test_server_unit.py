@@ -1,0 +1,644 @@
+"""The HTTP server against a fake engine: fast checks of the protocol, errors, metrics and concurrency.
+
+`FakeEngine` implements the `Engine` interface (add_request / abort_request / has_unfinished_requests /
+step) over a byte-level tokenizer: every request answers `reply_for(prompt)` followed by EOS, a few tokens
+per step, and records speculative counters as a K=3 draft of which 2 tokens are accepted. A prompt
+containing "BOOM" makes `step` raise. The server runs under uvicorn in a thread, on a free local port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.config import SamplingParams
+from specdec.metrics import SpecMetrics
+from specdec.models.tokenizer import IncrementalDetokenizer
+from specdec.outputs import RequestOutput
+from specdec.server.app import build_app
+from specdec.server.async_engine import AsyncEngine, EngineStoppedError
+
+EOS = 256
+MODEL = "fake-model"
+
+
+# ---- the fake engine ------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 is EOS. A multi-byte character spans several tokens."""
+
+    eos_token_ids = (EOS,)
+    vocab_size = 257
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if messages[0]["role"] == "assistant":
+            raise ValueError("Conversations must start with a user or system message")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def reply_for(prompt_text: str) -> str:
+    """What the fake model answers: non-ASCII on purpose (é is 2 bytes, 😀 is 4)."""
+    return f"Héllo 😀! You said {len(prompt_text)} chars. Bye."
+
+
+def first_tokens(text: str, n: int) -> str:
+    """The text of the first n byte tokens (a cut character shows as U+FFFD, as decode flushes it)."""
+    return text.encode()[:n].decode(errors="replace")
+
+
+class FakeEngine:
+    def __init__(self, max_model_len: int = 256, tokens_per_step: int = 3, step_delay: float = 0.0,
+                 max_batch_size: int = 1):
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.tokens_per_step, self.step_delay, self.max_batch_size = tokens_per_step, step_delay, max_batch_size
+        self.metrics = SpecMetrics()
+        self.waiting: deque = deque()
+        self.running: dict[str, dict] = {}
+        self._aborted: set[str] = set()
+        self.aborted_ids: list[str] = []  # for tests: every request ended by abort
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"context is {self.max_model_len} tokens, {n + params.max_tokens} requested")
+        prompt = self.tokenizer.decode(prompt_token_ids)
+        answer = list(reply_for(prompt).encode()) + [EOS]
+        self.waiting.append(dict(id=request_id, prompt=list(prompt_token_ids), params=params, answer=answer,
+                                 out=[], text="", emitted=0, detok=IncrementalDetokenizer(self.tokenizer),
+                                 metrics=SpecMetrics(prompt_tokens=n), boom="BOOM" in prompt))
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in list(self._aborted):
+            seq = self.running.pop(rid, None) or next((s for s in self.waiting if s["id"] == rid), None)
+            if seq is not None:
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                self.aborted_ids.append(rid)
+                outputs.append(self._output(seq, [], "abort", None))
+        self._aborted.clear()
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            self.running[seq["id"]] = seq
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        for seq in list(self.running.values()):
+            if seq["boom"]:
+                raise RuntimeError("boom")
+            outputs.append(self._advance(seq))
+        return outputs
+
+    def _advance(self, seq: dict) -> RequestOutput:
+        params: SamplingParams = seq["params"]
+        new, reason, stop_reason = [], None, None
+        for token in seq["answer"][len(seq["out"]): len(seq["out"]) + self.tokens_per_step]:
+            seq["out"].append(token)
+            new.append(token)
+            if token == EOS:
+                reason, stop_reason = "stop", EOS
+                break
+            seq["text"] += seq["detok"].add([token])
+            hit = next((s for s in params.stop if s in seq["text"]), None)
+            if hit is not None:
+                seq["text"] = seq["text"][: seq["text"].index(hit)]
+                reason, stop_reason = "stop", hit
+                break
+            if len(seq["out"]) >= params.max_tokens:
+                reason = "length"
+                break
+        if reason is not None and stop_reason is None:
+            seq["text"] += seq["detok"].flush()
+        seq["metrics"].record_step(3, 2, len(new))
+        if reason is not None:
+            del self.running[seq["id"]]
+            self.metrics.merge(seq["metrics"])
+        return self._output(seq, new, reason, stop_reason)
+
+    def _output(self, seq: dict, new: list[int], reason: str | None, stop_reason) -> RequestOutput:
+        out = RequestOutput(request_id=seq["id"], prompt_token_ids=seq["prompt"], new_token_ids=new,
+                            new_text=seq["text"][seq["emitted"]:], token_ids=seq["out"], text=seq["text"],
+                            finished=reason is not None, finish_reason=reason, stop_reason=stop_reason,
+                            metrics=seq["metrics"])
+        seq["emitted"] = len(seq["text"])
+        return out
+
+
+# ---- a live server in a thread --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, engine: FakeEngine, **app_kwargs):
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.app = build_app(self.async_engine, MODEL, **app_kwargs)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def live():
+    with LiveServer(FakeEngine()) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    with httpx.Client(base_url=live.url, timeout=20) as c:
+        yield c
+
+
+def chat_body(content: str = "hi", **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def expected_chat_reply(content: str = "hi") -> str:
+    return reply_for(f"<user>{content}\n<assistant>")
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing (each event one `data:` line + blank line)."""
+    body = response.text
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "<any>") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param != "<any>":
+        assert error["param"] == param, error
+    return error
+
+
+# ---- the happy paths ------------------------------------------------------------------------------------
+
+
+def test_info_endpoints(client):
+    assert client.get("/health").status_code == 200
+    assert "version" in client.get("/version").json()
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 256
+
+
+def test_chat_completion(client):
+    r = client.post("/v1/chat/completions", json=chat_body(temperature=0))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == MODEL
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected_chat_reply()}
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+    prompt_len = len(b"<user>hi\n<assistant>")
+    completion_len = len(expected_chat_reply().encode()) + 1  # EOS included
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": completion_len,
+                             "total_tokens": prompt_len + completion_len}
+    spec = body["specdec"]
+    assert spec["num_drafts"] == spec["target_passes"] and spec["num_draft_tokens"] == 3 * spec["num_drafts"]
+    assert spec["emitted_tokens"] == completion_len
+
+
+def test_completion_length_and_model_optional(client):
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == first_tokens(reply_for("abc"), 5) and choice["finish_reason"] == "length"
+    assert r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_completion_default_max_tokens_is_16_and_token_prompts(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [97, 98, 99]})
+    assert r.json()["choices"][0]["text"] == first_tokens(reply_for("abc"), 16)
+    for prompt in ([[97, 98, 99]], ["abc"]):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})
+        assert r.json()["choices"][0]["text"] == first_tokens(reply_for("abc"), 16)
+
+
+def test_stop_string(client):
+    r = client.post("/v1/chat/completions", json=chat_body(stop=["You said", "never"])).json()
+    assert r["choices"][0]["message"]["content"] == "Héllo 😀! "
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == "You said"
+    r = client.post("/v1/completions", json={"prompt": "x", "stop": "!"}).json()
+    assert r["choices"][0]["text"] == "Héllo 😀"
+
+
+@pytest.mark.parametrize("stop", ["You said", "!", ["Bye", "chars"]])
+def test_stop_string_streamed_equals_not_streamed(client, stop):
+    """A stop string across steps: the engine cuts it off its text once complete; no part of it is streamed."""
+    whole = client.post("/v1/chat/completions", json=chat_body(stop=stop)).json()["choices"][0]["message"]
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(stop=stop, stream=True)) as r:
+        r.read()
+    chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole["content"]
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted(client):
+    body = chat_body(n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, tool_choice="none",
+                     response_format={"type": "text"}, logit_bias={}, user="u1", top_k=-1, seed=7,
+                     max_completion_tokens=4)
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4  # max_completion_tokens applies
+    r = client.post("/v1/completions", json={"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "n": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_chat_stream_format(client):
+    with client.stream("POST", "/v1/chat/completions",
+                       json=chat_body(stream=True, stream_options={"include_usage": True})) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        r.read()
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
+    assert all(c["usage"] is None for c in content_chunks)  # OpenAI: null on every other chunk
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in content_chunks]
+    assert "".join(deltas) == expected_chat_reply()
+    assert not any("\ufffd" in d for d in deltas)  # never half a UTF-8 character
+    assert len([d for d in deltas if d]) > 3  # streamed in pieces, not at the end
+    final = content_chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "stop" and "specdec" in final
+    assert all(c["choices"][0]["finish_reason"] is None for c in content_chunks[:-1])
+
+
+def test_completion_stream_without_usage(client):
+    with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 12, "stream": True}) as r:
+        r.read()
+    events = sse_events(r)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and all("usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == first_tokens(reply_for("abc"), 12)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_client_parses_answers(live):
+    openai = pytest.importorskip("openai")
+    oa = openai.OpenAI(base_url=live.url + "/v1", api_key="unused")
+    r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=50)
+    assert r.choices[0].message.content == expected_chat_reply() and r.usage.total_tokens > 0
+    stream = oa.completions.create(model=MODEL, prompt="abc", max_tokens=8, stream=True,
+                                   stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first_tokens(reply_for("abc"), 8)
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [m.id for m in oa.models.list()] == [MODEL]
+
+
+# ---- errors: each one has its status and error JSON, and the server answers normally afterwards ---------
+
+BAD_REQUESTS = [
+    # (path, body, status, param)
+    ("chat", b"{not json", 400, None),
+    ("chat", b"", 400, None),
+    ("chat", b"[1, 2]", 400, None),
+    ("chat", chat_body(temperature="hot"), 400, "temperature"),
+    ("chat", chat_body(max_tokens="5"), 400, "max_tokens"),
+    ("chat", chat_body(max_tokens=2.5), 400, "max_tokens"),
+    ("chat", chat_body(stream="yes"), 400, "stream"),
+    ("chat", chat_body(max_tokens=-1), 400, "max_tokens"),
+    ("chat", chat_body(max_tokens=0), 400, "max_tokens"),
+    ("chat", chat_body(max_completion_tokens=-5), 400, "max_completion_tokens"),
+    ("chat", chat_body(temperature=-0.1), 400, "temperature"),
+    ("chat", chat_body(top_p=0), 400, "top_p"),
+    ("chat", chat_body(top_p=1.5), 400, "top_p"),
+    ("chat", chat_body(top_k=-2), 400, "top_k"),
+    ("chat", chat_body(seed="x"), 400, "seed"),
+    ("chat", chat_body(stop=3), 400, "stop"),
+    ("chat", chat_body(stop=[""]), 400, "stop"),
+    ("chat", chat_body(n=2), 400, "n"),
+    ("chat", chat_body(logprobs=True), 400, "logprobs"),
+    ("chat", chat_body(top_logprobs=3), 400, "top_logprobs"),
+    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat", chat_body(tool_choice="auto"), 400, "tool_choice"),
+    ("chat", chat_body(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat", chat_body(presence_penalty=0.5), 400, "presence_penalty"),
+    ("chat", chat_body(frequency_penalty=1), 400, "frequency_penalty"),
+    ("chat", chat_body(logit_bias={"50": 10}), 400, "logit_bias"),
+    ("chat", chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("chat", chat_body(whatever=1), 400, "whatever"),
+    ("chat", {"model": MODEL}, 400, "messages"),
+    ("chat", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content"),
+    ("chat", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),  # the template refuses
+    ("chat", chat_body("x" * 300), 400, "messages"),  # longer than the context (256)
+    ("chat", chat_body(max_tokens=250), 400, "messages"),  # prompt + max_tokens over the context
+    ("completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("completions", {"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": [5, 999]}, 400, "prompt"),
+    ("completions", {"prompt": 5}, 400, "prompt"),
+    ("completions", {}, 400, "prompt"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("chat", chat_body(model="gpt-4"), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_request(client, path, body, status, param):
+    url = "/v1/chat/completions" if path == "chat" else "/v1/completions"
+    r = client.post(url, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+        else client.post(url, json=body)
+    error = assert_error(r, status, param)
+    if param == "messages" and "context" in error["message"]:
+        assert error["code"] == "context_length_exceeded" and "256" in error["message"]
+    # and the server still answers correctly
+    ok = client.post("/v1/chat/completions", json=chat_body())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == expected_chat_reply()
+
+
+def test_unknown_route_and_method(client):
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/chat/completions"), 405)
+
+
+def test_api_key():
+    with LiveServer(FakeEngine(), api_key="sk-test") as server, httpx.Client(base_url=server.url) as c:
+        assert_error(c.post("/v1/chat/completions", json=chat_body()), 401)
+        assert_error(c.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"}), 401)
+        assert_error(c.get("/v1/models", headers={"Authorization": "sk-test"}), 401)
+        assert_error(c.post("/v1/chat/completions", content=b"{bad", headers={"Authorization": "x"}), 401)
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        good = {"Authorization": "Bearer sk-test"}
+        assert c.post("/v1/chat/completions", json=chat_body(), headers=good).status_code == 200
+        assert c.get("/v1/models", headers=good).status_code == 200
+
+
+def test_body_size_limit():
+    with LiveServer(FakeEngine(), max_body_bytes=2000) as server, httpx.Client(base_url=server.url) as c:
+        big = chat_body("x" * 5000)
+        error = assert_error(c.post("/v1/chat/completions", json=big), 413)
+        assert error["code"] == "request_too_large"
+
+        def chunked():  # no Content-Length: the limit applies while the body streams in
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+
+        assert_error(c.post("/v1/chat/completions", content=chunked()), 413)
+        assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+def test_engine_failure_is_a_500_and_the_server_survives():
+    with LiveServer(FakeEngine()) as server, httpx.Client(base_url=server.url, timeout=10) as c:
+        assert_error(c.post("/v1/chat/completions", json=chat_body("BOOM")), 500)
+        with c.stream("POST", "/v1/completions", json={"prompt": "BOOM", "stream": True}) as r:
+            r.read()
+        events = sse_events(r)
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert c.post("/v1/chat/completions", json=chat_body()).json()["choices"][0]["message"]["content"] == \
+            expected_chat_reply()
+        assert c.get("/health").status_code == 200
+
+
+# ---- metrics --------------------------------------------------------------------------------------------
+
+
+def scrape(client) -> dict[tuple[str, tuple], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return samples
+
+
+def test_metrics_move_by_the_right_amounts(client):
+    before = scrape(client)
+    body = client.post("/v1/chat/completions", json=chat_body("metrics please")).json()
+    after = scrape(client)
+    delta = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - \
+        before.get((name, tuple(sorted(labels.items()))), 0)  # noqa: E731
+    spec, usage = body["specdec"], body["usage"]
+    assert delta("specdec:spec_decode_num_drafts_total") == spec["num_drafts"] > 0
+    assert delta("specdec:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+    assert delta("specdec:spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
+    for pos, n in enumerate(spec["accepted_per_position"]):
+        assert delta("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == n
+    assert delta("specdec:spec_decode_num_accepted_tokens_per_pos_total", position="2") == 0
+    assert delta("specdec:generation_tokens_total") == usage["completion_tokens"]
+    assert delta("specdec:prompt_tokens_total") == usage["prompt_tokens"]
+    assert delta("specdec:request_success_total", finished_reason="stop") == 1
+    assert delta("specdec:time_to_first_token_seconds_count") == 1
+    assert delta("specdec:e2e_request_latency_seconds_count") == 1
+    assert delta("specdec:request_time_per_output_token_seconds_count") == 1
+    assert delta("specdec:http_requests_total", method="POST", path="/v1/chat/completions", status="200") == 1
+    assert after[("specdec:num_requests_running", ())] == 0
+
+
+def test_metrics_count_errors(client):
+    before = scrape(client)
+    client.post("/v1/chat/completions", json=chat_body(n=3))
+    after = scrape(client)
+    key = ("specdec:http_requests_total", (("method", "POST"), ("path", "/v1/chat/completions"), ("status", "400")))
+    assert after[key] - before.get(key, 0) == 1
+
+
+# ---- concurrency, disconnects, shutdown -----------------------------------------------------------------
+
+
+def test_concurrent_streams_are_all_served_and_the_loop_stays_free():
+    engine = FakeEngine(step_delay=0.02, tokens_per_step=2)  # queued one at a time, ~0.5 s per request
+    with LiveServer(engine) as server:
+
+        async def one(c: httpx.AsyncClient, i: int) -> str:
+            async with c.stream("POST", "/v1/chat/completions", json=chat_body(f"client {i}", stream=True)) as r:
+                assert r.status_code == 200
+                text = ""
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        choices = json.loads(line[6:])["choices"]
+                        text += choices[0]["delta"].get("content", "") if choices else ""
+                return text
+
+        async def health_latency(c: httpx.AsyncClient) -> float:
+            await asyncio.sleep(0.3)
+            t0 = time.perf_counter()
+            assert (await c.get("/health")).status_code == 200
+            return time.perf_counter() - t0
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+                return await asyncio.gather(*(one(c, i) for i in range(5)), health_latency(c))
+
+        *texts, latency = asyncio.run(main())
+        assert texts == [expected_chat_reply(f"client {i}") for i in range(5)]
+        assert latency < 0.2  # answered while the engine was busy
+        assert not engine.has_unfinished_requests()
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_stream_disconnect_aborts_and_frees_the_slot():
+    engine = FakeEngine(step_delay=0.05, tokens_per_step=1)  # ~3 s for a whole answer
+    with LiveServer(engine) as server, httpx.Client(base_url=server.url, timeout=10) as c:
+        with c.stream("POST", "/v1/chat/completions", json=chat_body("going away", stream=True)) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            request_id = json.loads(next(line for line in lines if line.startswith("data: "))[6:])["id"]
+        # leaving the block closed the connection mid-stream
+        wait_until(lambda: request_id in engine.aborted_ids)
+        wait_until(lambda: not engine.has_unfinished_requests())
+        t0 = time.time()
+        assert c.post("/v1/completions", json={"prompt": "next", "max_tokens": 5}).json()["choices"][0]["text"] == \
+            first_tokens(reply_for("next"), 5)
+        assert time.time() - t0 < 1.5  # not queued behind the abandoned request
+        samples = scrape(c)
+        assert samples[("specdec:request_success_total", (("finished_reason", "abort"),))] == 1
+        assert samples[("specdec:num_requests_running", ())] == 0
+
+
+def test_non_stream_disconnect_aborts():
+    engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
+    with LiveServer(engine) as server:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/chat/completions", json=chat_body("impatient"), timeout=0.5)
+        wait_until(lambda: len(engine.aborted_ids) == 1)
+        wait_until(lambda: not engine.has_unfinished_requests())
+
+
+def test_async_engine_shutdown_ends_streams():
+    engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+
+    async def main():
+        stream = await async_engine.add_request("r1", list(b"hello"), SamplingParams(max_tokens=50))
+        got = []
+        with pytest.raises(EngineStoppedError):
+            async for out in stream:
+                got.append(out)
+                if len(got) == 2:
+                    async_engine.shutdown(timeout=0)
+        with pytest.raises(EngineStoppedError):
+            await async_engine.add_request("r2", list(b"hello"), SamplingParams())
+
+    asyncio.run(main())
+    async_engine.shutdown()
+    assert not async_engine.healthy
+
+
+def test_async_engine_refusal_is_a_value_error():
+    async_engine = AsyncEngine(FakeEngine(max_model_len=8))
+    async_engine.start()
+
+    async def main():
+        with pytest.raises(ValueError, match="context"):
+            await async_engine.add_request("r", list(b"hello"), SamplingParams(max_tokens=5))
+
+    asyncio.run(main())
+    async_engine.shutdown()
+
+
+SIGTERM_SERVER = textwrap.dedent("""
+    import argparse, sys
+    sys.path.insert(0, {tests!r})
+    from test_server_unit import FakeEngine
+    from specdec.server.cli import _serve
+
+    class FakeLLM:
+        engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
+
+    args = argparse.Namespace(host="127.0.0.1", port={port}, api_key=None)
+    sys.exit(_serve(FakeLLM(), ["fake-model"], args))
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_aborts_in_flight_and_exits(sig):
+    port = free_port()
+    code = SIGTERM_SERVER.format(tests=str(Path(__file__).parent), port=port)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(url + "/health"), timeout=20)
+        with httpx.Client(base_url=url, timeout=10) as c, \
+                c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(sig)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:])
+        assert proc.wait(timeout=15) in (0, -sig)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0].decode()
+    assert "Traceback" not in output, output
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
