@@ -18,6 +18,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target weight format (auto: int8 on CPUs without native bf16)")
     parser.add_argument("--max-model-len", type=int, help="context length (default 4096)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--memory-utilization", type=float, default=0.9,
+                        help="fraction of device (GPU) or system (CPU) memory specdec may use")
 
 
 def build_llm(args: argparse.Namespace, model: str, max_batch_size: int = 1):
@@ -37,6 +39,7 @@ def build_llm(args: argparse.Namespace, model: str, max_batch_size: int = 1):
         max_model_len=args.max_model_len,
         device=args.device,
         max_num_seqs=max_batch_size,
+        memory_utilization=args.memory_utilization,
     )
 
 
@@ -44,6 +47,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.config import SamplingParams
 
     llm = build_llm(args, args.model)
+    if args.memory_report:
+        print(llm.memory_plan.report())
+        return 0
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.seed, stop=tuple(args.stop or ()),
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("model", help="target model: path (HF folder or .gguf) or known name")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", default="")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--memory-report", action="store_true", help="print the memory breakdown and exit")
     add_model_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -130,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     conv.set_defaults(func=cmd_convert)
 
     args = parser.parse_args(argv)
+    from specdec.memory import MemoryBudgetError
+
     try:
         return args.func(args)
-    except (ValueError, LookupError, FileExistsError, FileNotFoundError) as e:
+    except (ValueError, LookupError, FileExistsError, FileNotFoundError, MemoryBudgetError) as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,74 @@
+"""The memory budget: weights first, then the KV caches of target and draft; refusals carry the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.memory import GiB, MemoryBudgetError, plan_memory
+from test_tokenizer import write_tiny_gguf
+
+
+def test_plan_fits_as_many_sequences_as_the_budget_allows():
+    plan = plan_memory(budget=10 * GiB, target_weights=2 * GiB, draft_weights=GiB, target_kv_per_token=28 * 1024,
+                       draft_kv_per_token=12 * 1024, max_model_len=4096, max_num_seqs=256)
+    per_seq = 4096 * 40 * 1024
+    assert plan.max_num_seqs == (7 * GiB) // per_seq == 44
+    assert plan.target_kv == 44 * 4096 * 28 * 1024 and plan.draft_kv == 44 * 4096 * 12 * 1024
+    assert plan.kv_tokens == 44 * 4096
+    report = plan.report()
+    for label in ("target weights", "draft weights", "target KV cache", "draft KV cache", "44 sequences"):
+        assert label in report
+    # asking for fewer sequences than fit reserves only those
+    assert plan_memory(10 * GiB, 2 * GiB, GiB, 28 * 1024, 12 * 1024, 4096, max_num_seqs=4).max_num_seqs == 4
+
+
+def test_weights_that_do_not_fit_are_refused_with_the_numbers():
+    with pytest.raises(MemoryBudgetError) as e:
+        plan_memory(budget=2 * GiB, target_weights=2 * GiB, draft_weights=GiB // 2, target_kv_per_token=1,
+                    draft_kv_per_token=1, max_model_len=16, max_num_seqs=1)
+    message = str(e.value)
+    assert "weights alone do not fit" in message
+    assert "2.000 GiB" in message and "0.500 GiB" in message and "2.500 GiB" in message
+
+
+def test_no_room_for_one_sequence_is_refused():
+    with pytest.raises(MemoryBudgetError, match="less than the KV cache of one sequence of 4096 tokens"):
+        plan_memory(budget=3 * GiB, target_weights=2 * GiB, draft_weights=GiB - 1024, target_kv_per_token=1024,
+                    draft_kv_per_token=1024, max_model_len=4096, max_num_seqs=1)
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def test_llm_refuses_a_budget_smaller_than_the_weights(tiny_gguf, monkeypatch):
+    from specdec import LLM
+
+    monkeypatch.setattr("specdec.api.device_memory", lambda device: 100_000)
+    with pytest.raises(MemoryBudgetError, match="weights alone do not fit"):
+        LLM(str(tiny_gguf), speculative_model=str(tiny_gguf), quantization="none", dtype="float32",
+            memory_utilization=0.5)
+
+
+def test_a_budget_for_two_sequences_queues_the_rest_and_completes_them_all(tiny_gguf, monkeypatch):
+    from specdec import LLM, SamplingParams
+
+    probe = LLM(str(tiny_gguf), speculative_model=str(tiny_gguf), quantization="none", dtype="float32",
+                max_model_len=64)
+    plan = probe.memory_plan
+    per_seq = 64 * (plan.target_kv_per_token + plan.draft_kv_per_token)
+    room = plan.target_weights + plan.draft_weights + 2 * per_seq + per_seq // 2  # 2.5 sequences
+    monkeypatch.setattr("specdec.api.device_memory", lambda device: room)
+    llm = LLM(str(tiny_gguf), speculative_model=str(tiny_gguf), num_speculative_tokens=3, quantization="none",
+              dtype="float32", max_model_len=64, max_num_seqs=8, memory_utilization=1.0)
+    assert llm.memory_plan.max_num_seqs == 2 and llm.engine.max_batch_size == 2
+    assert llm.engine.cache.batch_size == 2 and llm.engine.proposer.cache.batch_size == 2
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2, 2], [3, 1, 4, 1, 5]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = llm.generate(prompts, params)
+    alone = [probe.generate([p], params)[0] for p in prompts]  # one sequence at a time
+    assert all(out.finish_reason == "length" and len(out.token_ids) == 12 for out in batched)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
