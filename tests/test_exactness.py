@@ -27,8 +27,7 @@ def prompts(tokenizer) -> list[list[int]]:
     with open(DATA / "spec_bench" / "question.jsonl") as f:
         spec_bench = [json.loads(line) for line in f]
     # scored by the benchmarks too; exactness is not a score, so any prompts will do
-    chats = [q for q in spec_bench if q["category"] in ("writing", "math_reasoning")][:1] + \
-        [q for q in spec_bench if q["category"] == "translation"][:1]
+    chats = [q for q in spec_bench if q["category"] == "translation"][:1]
     texts = [humaneval[2]["prompt"], humaneval[10]["prompt"]]
     ids = [tokenizer.encode(t) for t in texts]
     ids += [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}]))

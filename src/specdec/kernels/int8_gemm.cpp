@@ -11,12 +11,16 @@
 // reloaded from fp32 memory, which is exact) and the thread split (over N only) change which pairs are
 // computed together or when, never the sequence of operations applied to one pair's accumulator.
 
-#include <torch/extension.h>
+// Light headers (no torch/extension.h, no pybind11) keep the first-use compile short; the op is
+// registered with the dispatcher as torch.ops.specdec_int8.int8_mm.
+#include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -62,7 +66,8 @@ static inline void micro(const float* __restrict x, int64_t ldx, const int8_t* _
             _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * ldw + k))));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+        __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+        if (NB > 1) __asm__("" : "+x"(xv));  // one load per row, not one per (row, channel)
 #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j) a[m][j] = _mm256_fmadd_ps(xv, wv[j], a[m][j]);
       }
@@ -131,13 +136,23 @@ static void run(const float* xf, int64_t M, int64_t K, int64_t Kp, const int8_t*
   if (M * Kp * 4 > (256 << 10)) {
     kc = std::max<int64_t>(256, ((int64_t(256) << 10) / (M * 4)) & ~int64_t(63));
   }
-  const int64_t nc = 60;  // channels per block: multiple of every nb (8, 5, 4, 3, 2) except 8
-  const int64_t grain = 16;
+  // Channels per block: a multiple of every nb used for this M (groups of 1..6 rows when M <= 16,
+  // of 4..6 rows above), keeping the accumulator block small when M is large.
+  int64_t nc = M <= 16 ? 120 : 60;
+  if (N < 8 * nc) nc = 24;  // small N: more blocks to share between threads
+  const int64_t nblocks = (N + nc - 1) / nc;
 
-  at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
+  // Blocks of channels are claimed dynamically, so a thread that is descheduled (shared machine) does
+  // not hold up the call by a whole static half.  Only N is split: numerics are thread-count independent.
+  std::atomic<int64_t> next{0};
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), nblocks);
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     std::vector<float> accbuf(static_cast<size_t>(nc * M * 8 + 8));
     float* acc = accbuf.data();
-    for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += nc) {
+    for (int64_t blk = next.fetch_add(1, std::memory_order_relaxed); blk < nblocks;
+         blk = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t nb0 = blk * nc;
+      const int64_t n_end = N;
       const int64_t nn = std::min(nc, n_end - nb0);
       const int64_t acc_n = M * 8;
       for (int64_t kb = 0; kb < K; kb += kc) {
@@ -167,7 +182,7 @@ static void run(const float* xf, int64_t M, int64_t K, int64_t Kp, const int8_t*
   });
 }
 
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+at::Tensor int8_mm(at::Tensor x, at::Tensor w, at::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "int8_mm: x [M,K] and w [N,K] expected");
   TORCH_CHECK(w.scalar_type() == at::kChar, "int8_mm: weight must be int8");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "int8_mm: x must be bf16 or fp32");
@@ -177,14 +192,14 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, "int8_mm: scale must be [N]");
   x = x.contiguous();
   w = w.contiguous();
-  const torch::Tensor sf = scale.to(at::kFloat).contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  const at::Tensor sf = scale.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
 
   const int64_t Kp = (K + 7) & ~int64_t(7);
   // Activations -> fp32 once per call, rows padded with zeros to a multiple of 8 (plus slack).
-  torch::Tensor xf = torch::empty({M * Kp + 8}, x.options().dtype(at::kFloat));
+  at::Tensor xf = at::empty({M * Kp + 8}, x.options().dtype(at::kFloat));
   float* xp = xf.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) {
     const float* src = x.data_ptr<float>();
@@ -222,6 +237,5 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_mm", &int8_mm, "y = x @ (w_int8 * scale[:, None]).T  (AVX2/FMA, row-invariant)");
-}
+// y = x @ (w_int8 * scale[:, None]).T  (AVX2/FMA, row-invariant)
+TORCH_LIBRARY(specdec_int8, m) { m.def("int8_mm(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_mm); }

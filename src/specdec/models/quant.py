@@ -2,16 +2,18 @@
 
 A draft's numerics change only how often it agrees with the target, never the output, so the draft may
 use cheaper kernels than the target (whose numerics must be the same in plain and speculative runs).
-On CPU, torch's weight-only kernels make a one-row draft step several times cheaper than bf16.
-For the target, the int8 kernel costs nearly the same for 1 to 6 rows and gives every row the same bits
-whatever the number of rows (unlike fp32 sgemm here), so the same int8 target is used by plain and
-speculative decoding alike.
+int8 layers run specdec's own AVX2 kernel (`specdec.kernels`): it converts each weight chunk once and
+uses it for every row, so verifying 6 rows costs far less than 6 one-row steps, and it gives every row
+the same bits whatever the number of rows (unlike fp32 sgemm here), so the same int8 target serves plain
+and speculative decoding alike.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from specdec.kernels import available as int8_kernel_available, int8_linear
 
 
 class Int8Linear(nn.Module):
@@ -27,7 +29,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)
+        y = int8_linear(x.reshape(-1, shape[-1]), self.qweight, self.scale)
         y = y.view(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
@@ -79,6 +81,8 @@ def quantize_linears(model: nn.Module, method: str) -> None:
         return
     if model.dtype != torch.bfloat16:
         raise ValueError(f"{method} weights run with bfloat16 activations; the model is {model.dtype}")
+    if method == "int8":
+        int8_kernel_available()  # compile the kernel now (once per machine), not at the first forward
     make = {"int8": Int8Linear, "int4": Int4Linear}[method]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
