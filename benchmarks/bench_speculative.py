@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--transformers", action="store_true", help="add transformers' plain and assisted generation")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--configs", default="", help="comma-separated config names to run (default: all)")
     args = ap.parse_args()
 
     llm = LLM(TARGET, speculative_model=DRAFT, num_speculative_tokens=5, quantization=args.quantization,
@@ -126,7 +127,10 @@ def main() -> None:
         params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
         base_tps = None
         plain_out = None
+        wanted = {c.strip() for c in args.configs.split(",") if c.strip()}
         for name, make in configs():
+            if wanted and name not in wanted and name != "plain":  # plain is always run: the baseline
+                continue
             seconds, m, outs = run_engine(make(), prompts, params)
             tps = m.emitted_tokens / seconds
             base_tps = base_tps or tps

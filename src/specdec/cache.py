@@ -29,7 +29,9 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        block: int = 64,
     ) -> None:
+        capacity = -(-capacity // block) * block  # whole attention key blocks (see models.llama)
         shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

@@ -23,6 +23,9 @@ from specdec.cache import KVCache
 from specdec.config import ModelConfig
 
 
+KEY_BLOCK = 64  # attention key length granularity; KV cache capacities are multiples of it
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -214,9 +217,12 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         lengths = cache.lengths[:B]
-        S = max(lengths) + T
-        if S > cache.capacity:
-            raise ValueError(f"sequence of {S} tokens exceeds the KV cache capacity of {cache.capacity}")
+        if max(lengths) + T > cache.capacity:
+            raise ValueError(f"sequence of {max(lengths) + T} tokens exceeds the KV cache capacity of {cache.capacity}")
+        # Attend over whole blocks of KEY_BLOCK slots (the extra ones masked): every softmax row then has a
+        # length that is a multiple of the vector width, so each score takes the same (vectorized) exp
+        # whatever the number of rows in the pass; a row's result must not depend on it.
+        S = -(-(max(lengths) + T) // KEY_BLOCK) * KEY_BLOCK
         device = tokens.device
         lens = torch.tensor(lengths, device=device)  # [B]
         slot = torch.arange(S, device=device)  # [S]
