@@ -130,12 +130,14 @@ def test_adaptive_uses_the_batch_size_costs():
     assert ctl.best_k(0.7, 2, costs) == 0
 
 
-def test_adaptive_probes_every_probe_interval_steps_while_off():
-    ctl = AdaptiveK(6, probe_interval=5)
+def test_adaptive_probes_while_off_with_a_doubling_interval():
+    ctl = AdaptiveK(6, probe_interval=5, max_probe_interval=20)
     costs = costs_with(draft=0.5, verify=1.0)
     est = AcceptanceEstimate(accepted=0.0, rejections=10.0)
-    ks = [ctl.choose([est], costs)[0] for _ in range(20)]
-    assert ks == [0, 0, 0, 0, 1] * 4
+    ks = [ctl.choose([est], costs)[0] for _ in range(75)]
+    probes = [i + 1 for i, k in enumerate(ks) if k]
+    assert set(ks) == {0, 1}
+    assert probes == [5, 15, 35, 55, 75]  # after 5, 10, 20, then at most 20 steps
     # a probe that is accepted raises the estimate; once drafting wins again the controller speculates
     cheap = costs_with(draft=0.01, verify=1.0)
     est = AcceptanceEstimate(accepted=0.0, rejections=10.0)

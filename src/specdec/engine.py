@@ -82,6 +82,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.metrics = SpecMetrics()  # cumulative
+        self.acceptance = AcceptanceEstimate()  # over all sequences: the prior of new ones
         self._aborted: set[str] = set()
         self._sync = target.device.type == "cuda"
 
@@ -103,6 +104,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
             tokens=list(prompt_token_ids),
             start_time=time.perf_counter(),
+            estimate=AcceptanceEstimate.with_prior(self.acceptance.rate),
         )
         seq.metrics.prompt_tokens = n
         self.waiting.append(seq)
@@ -141,7 +143,9 @@ class Engine:
             seq.metrics.record_step(len(draft.tokens), verdict.num_accepted, len(new_ids))
             seq.metrics.draft_time += (t1 - t0) / len(seqs)
             seq.metrics.target_time += (t2 - t1) / len(seqs)
-            seq.estimate.update(len(draft.tokens), verdict.num_accepted, getattr(self.controller, "decay", 1.0))
+            decay = getattr(self.controller, "decay", 1.0)
+            seq.estimate.update(len(draft.tokens), verdict.num_accepted, decay)
+            self.acceptance.update(len(draft.tokens), verdict.num_accepted, decay)
             outputs.append(self._output(seq, new_ids))
         self._retire_finished()
         return outputs

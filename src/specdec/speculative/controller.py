@@ -22,12 +22,17 @@ class AcceptanceEstimate:
 
     Under a geometric model (each drafted token accepted with probability a, until the first rejection)
     the estimate a = accepted / (accepted + rejections) is the maximum-likelihood one. Starts from a
-    weak prior of 0.6.
+    weak prior of 0.6 (or from what earlier sequences measured: `with_prior`).
     """
 
     accepted: float = 1.8
     rejections: float = 1.2
     steps_off: int = 0  # steps since speculation was turned off for this sequence
+    probe_every: int = 0  # steps between probes while off (0: the controller's base interval)
+
+    @classmethod
+    def with_prior(cls, rate: float, weight: float = 3.0) -> "AcceptanceEstimate":
+        return cls(accepted=weight * rate, rejections=weight * (1.0 - rate))
 
     @property
     def rate(self) -> float:
@@ -95,9 +100,11 @@ class AdaptiveK:
 
     adaptive = True
 
-    def __init__(self, k_max: int, probe_interval: int = 16, decay: float = 0.9) -> None:
+    def __init__(self, k_max: int, probe_interval: int = 16, max_probe_interval: int = 256,
+                 decay: float = 0.9) -> None:
         self.k_max = k_max
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
         self.decay = decay
 
     def best_k(self, a: float, batch_size: int, costs: CostModel) -> int:
@@ -119,10 +126,11 @@ class AdaptiveK:
             k = self.best_k(est.rate, len(estimates), costs)
             if k == 0:
                 est.steps_off += 1
-                if est.steps_off >= self.probe_interval:  # probe: is the draft agreeing again?
+                if est.steps_off >= (est.probe_every or self.probe_interval):  # probe: agreeing again?
                     est.steps_off = 0
+                    est.probe_every = min(2 * (est.probe_every or self.probe_interval), self.max_probe_interval)
                     k = 1
             else:
-                est.steps_off = 0
+                est.steps_off, est.probe_every = 0, 0
             ks.append(k)
         return ks
