@@ -19,7 +19,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from conftest import tiny_model
-from specdec.speculative.proposers import Draft
+from specdec.speculative.proposers import Draft, StatelessProposer
 
 
 def letter(token_id: int) -> str:
@@ -60,7 +60,7 @@ class FakeTokenizer:
         return {name: i for i, name in self._names.items()}
 
 
-class ScriptedProposer:
+class ScriptedProposer(StatelessProposer):
     """Proposes `script(seq)[:k]` for each sequence; `calls` records (request_id, k, draft) per proposal."""
 
     def __init__(self, script: Callable[[object], list[int]]) -> None:
@@ -74,19 +74,6 @@ class ScriptedProposer:
             self.calls.append((seq.request_id, k, tokens))
             drafts.append(Draft(tokens))
         return drafts
-
-    def observe(self, seqs, drafts, verdicts) -> None:
-        pass
-
-    def release(self, row: int) -> None:
-        pass
-
-    def move_row(self, src: int, dst: int) -> None:
-        pass
-
-    @property
-    def memory_bytes(self) -> int:
-        return 0
 
 
 # ------------------------------------------------------------------------------------------- models

@@ -45,7 +45,24 @@ class Proposer(Protocol):
     def memory_bytes(self) -> int: ...
 
 
-class NgramProposer:
+class StatelessProposer:
+    """A proposer that keeps nothing per sequence: verdicts, row moves and releases concern it not."""
+
+    def observe(self, seqs, drafts, verdicts) -> None:
+        pass
+
+    def release(self, row: int) -> None:
+        pass
+
+    def move_row(self, src: int, dst: int) -> None:
+        pass
+
+    @property
+    def memory_bytes(self) -> int:
+        return 0
+
+
+class NgramProposer(StatelessProposer):
     """Prompt lookup: continue the most recent earlier occurrence of the context's last n tokens.
 
     Tries n = max_n down to min_n. Example: context [1 2 3 9 1 2], n = 2 -> the suffix [1 2] occurred at
@@ -71,18 +88,6 @@ class NgramProposer:
     def propose(self, seqs, ks):
         return [Draft(self.lookup(seq.tokens, k)) for seq, k in zip(seqs, ks)]
 
-    def observe(self, seqs, drafts, verdicts) -> None:
-        pass
-
-    def release(self, row: int) -> None:
-        pass
-
-    def move_row(self, src: int, dst: int) -> None:
-        pass
-
-    @property
-    def memory_bytes(self) -> int:
-        return 0
 
 
 class DraftModelProposer:
