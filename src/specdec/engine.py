@@ -107,6 +107,7 @@ class Engine:
             estimate=AcceptanceEstimate.with_prior(self.acceptance.rate),
         )
         seq.metrics.prompt_tokens = n
+        seq.estimate.probe_every = self.acceptance.probe_every  # a draft that kept losing is probed rarely
         self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -286,6 +287,7 @@ class Engine:
             self.proposer.release(last)
         seq.metrics.total_time = time.perf_counter() - seq.start_time
         self.metrics.merge(seq.metrics)
+        self.acceptance.probe_every = seq.estimate.probe_every
 
     def _drop_aborted(self) -> list[RequestOutput]:
         if not self._aborted:
