@@ -72,3 +72,10 @@ def test_a_budget_for_two_sequences_queues_the_rest_and_completes_them_all(tiny_
     alone = [probe.generate([p], params)[0] for p in prompts]  # one sequence at a time
     assert all(out.finish_reason == "length" and len(out.token_ids) == 12 for out in batched)
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+
+
+def test_unknown_speculative_config_keys_are_refused():
+    from specdec.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="unknown speculative config key.*num_speculative_token"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_token": 4})

@@ -6,7 +6,7 @@ Components take only the fields they need; nothing here is mutated after constru
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -152,7 +152,6 @@ class SpeculativeConfig:
     draft_quantization: str = "auto"  # auto | none | int8 | int4
     draft_dtype: str | None = None
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this run (vLLM)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -169,6 +168,8 @@ class SpeculativeConfig:
         d = dict(d)
         if "method" not in d:
             d["method"] = "draft_model" if d.get("model") else "ngram"
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        extra = {k: d.pop(k) for k in list(d) if k not in known}
-        return cls(**d, extra=extra)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
