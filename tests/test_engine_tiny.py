@@ -313,6 +313,19 @@ def test_abort_leaves_the_others_exact():
     assert tuple(finals["z"].token_ids) == plain("bf16", PROMPTS[2])
 
 
+def test_num_queued_counts_the_requests_behind_a_full_batch():
+    """What the server's --max-waiting-requests bounds: waiting requests that no free row awaits."""
+    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, max_batch_size=2)
+    for rid in "abc":
+        engine.add_request(rid, [1, 2, 3], GREEDY)
+    assert len(engine.waiting) == 3 and engine.num_queued() == 1  # two of them take the free rows next step
+    engine.step()
+    assert len(engine.running) == 2 and engine.num_queued() == 1
+    engine.abort_request("a")
+    engine.step()
+    assert len(engine.running) == 2 and engine.num_queued() == 0
+
+
 # ------------------------------------------------------------------------------------------- seeded sampling
 SAMPLING = dict(temperature=0.9, top_k=40, max_tokens=30, ignore_eos=True)
 

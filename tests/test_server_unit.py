@@ -1,13 +1,14 @@
 """The HTTP server against a fake engine: fast checks of the protocol, errors, metrics and concurrency.
 
 `FakeEngine` implements the `Engine` interface (add_request / abort_request / has_unfinished_requests /
-step) over a byte-level tokenizer: every request answers `reply_for(prompt)` followed by EOS, a few tokens
+num_queued / step) over a byte-level tokenizer: every request answers `reply_for(prompt)` followed by EOS, a few tokens
 per step, and records speculative counters as a K=3 draft of which 2 tokens are accepted. A prompt
 containing "BOOM" makes `step` raise. The server runs under uvicorn in a thread, on a free local port.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -31,7 +32,8 @@ from specdec.metrics import SpecMetrics
 from specdec.models.tokenizer import IncrementalDetokenizer
 from specdec.outputs import RequestOutput
 from specdec.server.app import build_app
-from specdec.server.async_engine import AsyncEngine, EngineStoppedError
+from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from specdec.server.cli import add_serve_arguments
 
 EOS = 256
 MODEL = "fake-model"
@@ -96,6 +98,9 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
+
+    def num_queued(self) -> int:
+        return max(0, len(self.waiting) - (self.max_batch_size - len(self.running)))
 
     def step(self) -> list[RequestOutput]:
         outputs = []
@@ -163,9 +168,9 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine: FakeEngine, **app_kwargs):
+    def __init__(self, engine: FakeEngine, max_waiting_requests: int | None = None, **app_kwargs):
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
         self.app = build_app(self.async_engine, MODEL, **app_kwargs)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -599,6 +604,102 @@ def test_async_engine_refusal_is_a_value_error():
     async_engine.shutdown()
 
 
+# ---- the queue limit ------------------------------------------------------------------------------------
+
+
+def test_full_queue_is_a_503_and_the_others_complete():
+    """max_batch_size 1, --max-waiting-requests 1: the first request runs, the second waits, a third (either
+    endpoint, streamed or not) is answered 503 `queue_full` with Retry-After at once; the first two complete
+    exactly as they would alone, and once the queue moved a request is taken again."""
+    engine = FakeEngine(step_delay=0.05, tokens_per_step=2)  # ~1 s per request
+    with LiveServer(engine, max_waiting_requests=1) as server:
+
+        async def streamed(c: httpx.AsyncClient, content: str) -> str:
+            async with c.stream("POST", "/v1/chat/completions", json=chat_body(content, stream=True)) as r:
+                assert r.status_code == 200
+                text = ""
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        choices = json.loads(line[6:])["choices"]
+                        text += choices[0]["delta"].get("content", "") if choices else ""
+                return text
+
+        async def until(predicate) -> None:
+            deadline = time.time() + 5
+            while not predicate():
+                assert time.time() < deadline, "timed out"
+                await asyncio.sleep(0.01)
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+                first = asyncio.ensure_future(c.post("/v1/chat/completions", json=chat_body("first")))
+                await until(lambda: len(engine.running) == 1)
+                second = asyncio.ensure_future(streamed(c, "second"))
+                await until(lambda: len(engine.waiting) == 1)
+                refused = [
+                    await c.post("/v1/chat/completions", json=chat_body("third")),
+                    await c.post("/v1/chat/completions", json=chat_body("third", stream=True)),
+                    await c.post("/v1/completions", json={"prompt": "third", "max_tokens": 5}),
+                    await c.post("/v1/completions", json={"prompt": "third", "stream": True}),
+                ]
+                assert len(engine.running) == 1 and len(engine.waiting) == 1  # all refused while both were busy
+                return (await first).json(), await second, refused
+
+        first, second, refused = asyncio.run(main())
+        for r in refused:
+            error = assert_error(r, 503, None)
+            assert error["code"] == "queue_full" and error["type"] == "server_error"
+            assert "max_waiting_requests = 1" in error["message"]
+            assert r.headers["retry-after"] == "1"
+        assert first["choices"][0]["message"]["content"] == expected_chat_reply("first")
+        assert second == expected_chat_reply("second")
+        assert not engine.has_unfinished_requests() and engine.aborted_ids == []
+        with httpx.Client(base_url=server.url, timeout=10) as c:
+            r = c.post("/v1/chat/completions", json=chat_body("fourth"))
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == \
+                expected_chat_reply("fourth")
+            samples = scrape(c)
+        key = ("specdec:http_requests_total", (("method", "POST"), ("path", "/v1/chat/completions"), ("status", "503")))
+        assert samples[key] == 2
+        assert samples[("specdec:num_requests_running", ())] == 0
+
+
+@pytest.mark.parametrize("max_batch_size,limit", [(1, 1), (1, 3), (2, 1)])
+def test_async_engine_counts_only_requests_waiting_for_a_slot(max_batch_size, limit):
+    """Requests added together: the first `max_batch_size` take the free slots (even before the engine steps),
+    the next `limit` wait, the one after is refused with QueueFullError; the accepted ones all complete."""
+    engine = FakeEngine(step_delay=0.02, tokens_per_step=2, max_batch_size=max_batch_size)
+    async_engine = AsyncEngine(engine, max_waiting_requests=limit)
+    async_engine.start()
+    params = SamplingParams(max_tokens=4)
+
+    async def main():
+        n = max_batch_size + limit + 1
+        added = await asyncio.gather(*(async_engine.add_request(f"r{i}", list(b"hello"), params) for i in range(n)),
+                                     return_exceptions=True)
+        *accepted, refused = added
+        assert isinstance(refused, QueueFullError) and refused.limit == limit
+        for stream in accepted:
+            outs = [out async for out in stream]
+            assert outs[-1].finished and outs[-1].token_ids == list(reply_for("hello").encode()[:4])
+        again = await async_engine.add_request("again", list(b"hello"), params)  # the queue moved
+        assert [out async for out in again][-1].finished
+
+    asyncio.run(main())
+    async_engine.shutdown()
+
+
+def test_max_waiting_requests_flag():
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).max_waiting_requests is None
+    assert parser.parse_args(["--max-waiting-requests", "8"]).max_waiting_requests == 8
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-waiting-requests", bad])
+    with pytest.raises(ValueError, match=">= 1"):
+        AsyncEngine(FakeEngine(), max_waiting_requests=0)
+
+
 SIGTERM_SERVER = textwrap.dedent("""
     import argparse, sys
     sys.path.insert(0, {tests!r})
@@ -608,7 +709,7 @@ SIGTERM_SERVER = textwrap.dedent("""
     class FakeLLM:
         engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
 
-    args = argparse.Namespace(host="127.0.0.1", port={port}, api_key=None)
+    args = argparse.Namespace(host="127.0.0.1", port={port}, api_key=None, max_waiting_requests=None)
     sys.exit(_serve(FakeLLM(), ["fake-model"], args))
 """)
 

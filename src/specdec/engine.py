@@ -116,6 +116,12 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
 
+    def num_queued(self) -> int:
+        """Waiting requests that the next step cannot start: those queued behind a full batch.
+        Example: max_batch_size 2, one running, three waiting -> 2 (one of the three takes the free row)."""
+        free = self.max_batch_size - len(self.running)
+        return max(0, len(self.waiting) - free)
+
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()

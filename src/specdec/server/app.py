@@ -6,7 +6,8 @@
 Each request: validate (pydantic, strict) -> tokenize (in a worker thread) -> check the context fits ->
 `AsyncEngine.add_request` -> read the engine's per-step outputs, answering them as one JSON body or as SSE
 chunks of the text each step made decodable (`RequestOutput.new_text`, never the whole text re-decoded).
-A client that goes away aborts its request; every error is an OpenAI error object with its status.
+A client that goes away aborts its request; every error is an OpenAI error object with its status. A request
+that finds the engine's queue full (`AsyncEngine(max_waiting_requests=N)`) is answered 503, code `queue_full`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.config import SamplingParams
 from specdec.outputs import RequestOutput
-from specdec.server.async_engine import AsyncEngine, EngineStoppedError, RequestStream
+from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
     APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer, Renderer, new_id,
@@ -37,6 +38,7 @@ from specdec.server.protocol import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+QUEUE_FULL_RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue: a hint, the queue moves each step
 
 
 def build_app(
@@ -200,6 +202,9 @@ class _Server:
             stream = await self.engine.add_request(request_id, prompt_ids, params)
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
+        except QueueFullError as e:
+            raise APIError(503, str(e), code="queue_full",
+                           headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}) from None
         except EngineStoppedError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         return _Tracker(stream, params, started, self.metrics)
@@ -361,7 +366,7 @@ def _sse(payload: dict) -> str:
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status)
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
 
 
 # ---- ASGI middleware ----------------------------------------------------------------------------------

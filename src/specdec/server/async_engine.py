@@ -3,7 +3,8 @@
 `Engine` is synchronous and not thread-safe, so exactly one thread drives it. Handlers talk to that thread
 through a `queue.SimpleQueue` of commands (add, abort, stop); the thread answers each request through the
 request's own `asyncio.Queue`, filled with `loop.call_soon_threadsafe`. The event loop never waits on the
-model.
+model. With `max_waiting_requests=N` the thread refuses a request (QueueFullError) while N others wait for
+a free batch slot; it alone reads the engine's queue, so the count is exact.
 
     stream = await async_engine.add_request(request_id, prompt_token_ids, params)  # ValueError if refused
     try:
@@ -31,6 +32,15 @@ logger = logging.getLogger(__name__)
 
 class EngineStoppedError(RuntimeError):
     """The engine thread is shutting down (or died); the request was not or will not be completed."""
+
+
+class QueueFullError(RuntimeError):
+    """`max_waiting_requests` requests already wait for a free batch slot; this one was not queued."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"The server is busy: the queue of requests waiting for a free slot is full "
+                         f"(max_waiting_requests = {limit}). Retry later.")
+        self.limit = limit
 
 
 class _Accepted:
@@ -85,10 +95,14 @@ class RequestStream:
 
 class AsyncEngine:
     """Runs `engine` in a daemon thread. Listeners added with `add_step_listener(fn)` are called in that
-    thread after each step with the step's outputs (e.g. to update Prometheus counters); they must not block."""
+    thread after each step with the step's outputs (e.g. to update Prometheus counters); they must not block.
+    `max_waiting_requests` bounds `engine.num_queued()` (None: unbounded); running requests are never touched."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, max_waiting_requests: int | None = None):
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self._listeners: list[Callable[[list[RequestOutput]], None]] = []
@@ -112,7 +126,8 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns once the engine took it. Raises ValueError (e.g. too long for the
-        context) if the engine refused it, EngineStoppedError if the engine is shutting down."""
+        context) if the engine refused it, QueueFullError if too many requests wait already,
+        EngineStoppedError if the engine is shutting down."""
         if not self.healthy:
             raise EngineStoppedError("the engine is shutting down" if self._stopping else "the engine is not running")
         outputs: asyncio.Queue = asyncio.Queue()
@@ -171,6 +186,10 @@ class AsyncEngine:
             if isinstance(cmd, _Stop):
                 return False
             if isinstance(cmd, _Add):
+                limit = self.max_waiting_requests
+                if limit is not None and self.engine.num_queued() >= limit:
+                    _send(cmd, QueueFullError(limit))
+                    continue
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
                 except Exception as e:  # ValueError: refused (too long, bad params); answered to the caller

@@ -33,6 +33,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="target weight format (auto: int8 on CPUs without native bf16)")
     parser.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
                         help="sequences decoded together in one batch (default 1)")
+    parser.add_argument("--max-waiting-requests", type=_positive, default=None, metavar="N",
+                        help="answer 503 (with Retry-After) to a request that finds N requests already waiting "
+                             "for a free batch slot (default: no limit); running requests are never affected")
     parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                         help="stop speculating while more than N sequences run")
     parser.add_argument("--dry-run", action="store_true", help="load, print the memory breakdown and exit")
@@ -104,7 +107,7 @@ def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
     from specdec.server.app import build_app
     from specdec.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
 
@@ -137,11 +140,20 @@ def _print_startup(info: dict[str, Any], names: list[str], args: argparse.Namesp
     for part, n in (info.get("memory_bytes") or {}).items():
         print(f"  memory {part}: {n / 2**20:.1f} MiB")
     print(f"  served model name: {', '.join(names)}" + ("; API key required" if args.api_key else ""))
+    if args.max_waiting_requests is not None:
+        print(f"  at most {args.max_waiting_requests} requests wait for a free slot; more are answered 503")
     print(f"  OpenAI API at http://{_url_host(args.host)}:{args.port}/v1", flush=True)
 
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
 
 
 def _fraction(text: str) -> float:

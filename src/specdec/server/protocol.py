@@ -23,10 +23,11 @@ class APIError(Exception):
     """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code
+        self.headers = headers  # extra response headers, e.g. Retry-After
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def to_dict(self) -> dict[str, Any]:
