@@ -50,9 +50,10 @@ def make_proposer(dtype_name: str, kind: str, max_batch_size: int = 1):
     return DraftModelProposer(draft(dtype_name, kind), max_batch_size, MAX_LEN)
 
 
-def run(engine: Engine, requests, join_at=None):
+def run(engine: Engine, requests, join_at=None, on_step=None):
     """Add `requests` ([(id, prompt, params)]), request i at step join_at[i] (default 0), and step until all
-    finish. Returns {id: final output} and checks that the streamed deltas add up to the final output."""
+    finish, calling `on_step(outputs)` after each step if given. Returns {id: final output} and checks that
+    the streamed deltas add up to the final output."""
     join_at = join_at or [0] * len(requests)
     finals, streamed_ids, streamed_text = {}, {}, {}
     step = 0
@@ -60,7 +61,10 @@ def run(engine: Engine, requests, join_at=None):
         for (rid, prompt, params), at in zip(requests, join_at):
             if at == step:
                 engine.add_request(rid, list(prompt), params)
-        for out in engine.step():
+        outputs = engine.step()
+        if on_step is not None:
+            on_step(outputs)
+        for out in outputs:
             streamed_ids.setdefault(out.request_id, []).extend(out.new_token_ids)
             streamed_text[out.request_id] = streamed_text.get(out.request_id, "") + out.new_text
             if out.finished:
@@ -311,6 +315,123 @@ def test_abort_leaves_the_others_exact():
     assert finals["y"].finish_reason == "abort" and 0 < len(finals["y"].token_ids) < 40
     assert tuple(finals["x"].token_ids) == plain("bf16", PROMPTS[0])
     assert tuple(finals["z"].token_ids) == plain("bf16", PROMPTS[2])
+
+
+CHUNKED_REQUESTS = [
+    # (id, prompt, max_tokens, step at which it joins); prefill_chunk 3, max_batch_size 3
+    ("a", (1, 2, 3, 4, 1, 2, 3, 4, 1, 2), 8, 0),  # 9 tokens to feed: 3 steps
+    ("b", (50, 60, 50), 40, 0),  # waits for a's prefill, then joins with a's last chunk's leftover budget
+    ("c", tuple(range(10, 40)), 12, 4),  # 29 tokens to feed: ten steps while a and b decode (a leaves)
+    ("d", (20, 21, 22, 20, 21), 17, 5),  # waits: one prompt is prefilled at a time
+    ("e", (7, 3, 88, 41, 9, 12, 30, 31, 32, 7, 3, 88), 10, 6),
+    ("f", (5,), 9, 8),  # one token: nothing to prefill
+]
+
+
+@pytest.mark.parametrize(
+    "kind,k,adaptive",
+    [("plain", 0, False), ("ngram", 3, False), ("noisy copy", 4, False), ("noisy copy", 5, True), ("self", 3, False),
+     ("other seed", 2, True)],
+)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_chunked_prefill_keeps_the_batch_decoding_and_outputs_exact(dtype_name, kind, k, adaptive):
+    """prefill_chunk = 3: a joining prompt is fed at most 3 tokens per step (all joining prompts together),
+    while the running sequences take their step in every step; a sequence that leaves while one is being
+    prefilled moves the prefilled rows along. Every output is still its own unbatched plain greedy output."""
+    proposer = None if kind == "plain" else make_proposer(dtype_name, kind, max_batch_size=3)
+    engine = Engine(target(dtype_name), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN,
+                    max_batch_size=3, prefill_chunk=3)
+    prompts = {rid: prompt for rid, prompt, _, _ in CHUNKED_REQUESTS}
+    joined: set[str] = set()
+    seen = dict(fed=0, steps_decoding_while_prefilling=0, prefilling_row_moves=0, prefilling=None, row=-1)
+
+    def on_step(outputs):
+        running_before = seen.pop("running_before", set())
+        joined.update(out.request_id for out in outputs)  # a sequence decodes in the step it joins
+        prefilling = engine.prefilling
+        fed = sum(len(prompts[r]) - 1 for r in joined)
+        if prefilling is not None:
+            fed += engine.cache.lengths[prefilling.row]
+            assert engine.cache.lengths[prefilling.row] < len(prefilling.prompt_ids) - 1
+            assert prefilling.row == len(engine.running)  # the row after the running ones
+            if prefilling.request_id == seen["prefilling"]:  # it was being prefilled during this step
+                seen["steps_decoding_while_prefilling"] += bool(running_before)
+                seen["prefilling_row_moves"] += prefilling.row < seen["row"]
+        assert 0 <= fed - seen["fed"] <= 3  # the prefill budget of one step
+        # no stall: every sequence running at the start of the step gained tokens in it
+        assert running_before <= {out.request_id for out in outputs if out.new_token_ids}
+        assert all(len(out.new_token_ids) > 0 for out in outputs if out.request_id in joined)
+        seen.update(fed=fed, prefilling=prefilling and prefilling.request_id, row=prefilling.row if prefilling else -1,
+                    running_before={s.request_id for s in engine.running})
+
+    requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for rid, prompt, n, _ in CHUNKED_REQUESTS]
+    finals = run(engine, requests, join_at=[at for *_, at in CHUNKED_REQUESTS], on_step=on_step)
+    for rid, prompt, n, _ in CHUNKED_REQUESTS:
+        assert tuple(finals[rid].token_ids) == plain(dtype_name, prompt, 40)[:n], f"request {rid}"
+        assert_metrics_consistent(finals[rid])
+    assert seen["fed"] == sum(len(p) - 1 for p in prompts.values())
+    assert seen["steps_decoding_while_prefilling"] >= 5  # c's prefill alone spans ten steps
+    assert seen["prefilling_row_moves"] >= 1  # a sequence left while c was being prefilled
+    assert all(length == 0 for length in engine.cache.lengths)
+
+
+def test_abort_while_prefilling():
+    """prefill_chunk 3, draft model: aborting a running sequence while a long prompt is being prefilled moves
+    that prompt's row along; aborting the sequence being prefilled frees its row; the others stay exact."""
+    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", 2), 3, max_model_len=MAX_LEN,
+                    max_batch_size=2, prefill_chunk=3)
+    long1, long2 = tuple(range(10, 40)), tuple(range(40, 70))
+    engine.add_request("x", list(PROMPTS[1]), GREEDY)  # 6 tokens to feed: steps 1 and 2, then it decodes
+    engine.add_request("long1", list(long1), GREEDY)  # 29 tokens to feed, from step 3
+    engine.add_request("long2", list(long2), GREEDY)
+    outputs = {}
+
+    def step():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+
+    for _ in range(4):
+        step()
+    assert [s.request_id for s in engine.running] == ["x"] and len(outputs["x"]) == 3
+    assert engine.prefilling.request_id == "long1" and engine.prefilling.row == 1 and engine.cache.lengths[1] == 6
+    engine.abort_request("x")
+    step()  # x leaves row 0: long1, 6 tokens prefilled, moves there and is fed 3 more
+    assert outputs["x"][-1].finish_reason == "abort" and engine.running == []
+    assert tuple(outputs["x"][-1].token_ids) == plain("fp32", PROMPTS[1])[:len(outputs["x"][-1].token_ids)]
+    assert engine.prefilling.request_id == "long1" and engine.prefilling.row == 0 and engine.cache.lengths[0] == 9
+    assert engine.cache.lengths[1] == 0
+    while engine.prefilling.request_id == "long1":
+        step()
+    assert [s.request_id for s in engine.running] == ["long1"] and engine.prefilling.request_id == "long2"
+    step()
+    engine.abort_request("long2")
+    step()
+    (aborted,) = outputs["long2"]
+    assert aborted.finished and aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert engine.prefilling is None and engine.cache.lengths[1] == 0
+    engine.add_request("z", list(PROMPTS[2]), GREEDY)
+    while engine.has_unfinished_requests():
+        step()
+    assert tuple(outputs["long1"][-1].token_ids) == plain("fp32", long1)
+    assert tuple(outputs["z"][-1].token_ids) == plain("fp32", PROMPTS[2])
+    assert engine.metrics.prompt_tokens == len(PROMPTS[1]) + len(long1) + len(long2) + len(PROMPTS[2])
+
+
+def test_prefill_time_sums_the_chunks():
+    """A clock that ticks once per reading: each chunk's prefill time is one tick, so a 10-token prompt fed
+    3 tokens at a time (9 tokens: 3 chunks) takes 3 ticks, in the request's metrics and the cumulative ones."""
+    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, prefill_chunk=3)
+    ticks = iter(range(10_000))
+    engine._now = lambda: float(next(ticks))
+    out = generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert out.metrics.prefill_time == 3.0 and engine.metrics.prefill_time == 3.0
+    assert tuple(out.token_ids) == plain("fp32", PROMPTS[0])[:5]
+
+
+def test_prefill_chunk_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, prefill_chunk=0)
 
 
 def test_num_queued_counts_the_requests_behind_a_full_batch():

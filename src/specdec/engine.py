@@ -2,7 +2,9 @@
 
 It works on token ids; the tokenizer is used only for stop strings and streamed text. Running sequences
 occupy KV-cache rows 0..B-1 of the target (and of a draft model); a finished sequence's row is refilled
-by the last one, so the batch stays packed.
+by the last one, so the batch stays packed. A joining sequence is prefilled `prefill_chunk` prompt tokens
+per step at most, in row B (one such sequence at a time, `Engine.prefilling`), while rows 0..B-1 keep
+decoding; it joins them once its prompt is in the cache.
 
 Invariant: the target cache holds every token of a sequence but the last; a step feeds
 `[last, *draft]` (T = K + 1 tokens) and commits `1 + accepted` of them. Plain decoding is the same
@@ -71,7 +73,9 @@ class Engine:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
-        self.prefill_chunk = prefill_chunk
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk  # prompt tokens fed per step, at most
         k = num_speculative_tokens if proposer is not None else 0
         self.controller = AdaptiveK(k) if adaptive and k > 0 else FixedK(k)
         self.costs = CostModel()
@@ -81,6 +85,7 @@ class Engine:
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilling: Sequence | None = None  # joining: its prompt half in the cache, in row len(running)
         self.metrics = SpecMetrics()  # cumulative
         self.acceptance = AcceptanceEstimate()  # over all sequences: the prior of new ones
         self._aborted: set[str] = set()
@@ -114,19 +119,18 @@ class Engine:
         self._aborted.add(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.waiting or self.running or self.prefilling is not None or self._aborted)
 
     def num_queued(self) -> int:
         """Waiting requests that the next step cannot start: those queued behind a full batch.
         Example: max_batch_size 2, one running, three waiting -> 2 (one of the three takes the free row)."""
-        free = self.max_batch_size - len(self.running)
+        free = self.max_batch_size - len(self.running) - (self.prefilling is not None)
         return max(0, len(self.waiting) - free)
 
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()
-        while self.waiting and len(self.running) < self.max_batch_size:
-            self._admit(self.waiting.popleft())
+        self._prefill()
         if not self.running:
             return outputs
         seqs = self.running
@@ -257,43 +261,81 @@ class Engine:
         return out
 
     # ----------------------------------------------------------------------------------- batch rows
-    def _admit(self, seq: Sequence) -> None:
-        """Give `seq` the next free row and prefill all its prompt tokens but the last."""
-        seq.row = len(self.running)
-        self.running.append(seq)
-        t0 = time.perf_counter()
-        view = self.cache.row_view(seq.row)
-        view.lengths[0] = 0
-        end = len(seq.tokens) - 1
+    def _prefill(self) -> None:
+        """Feed joining sequences up to `prefill_chunk` prompt tokens in all, so that a long prompt delays the
+        running sequences' step by one chunk at most. The sequence being prefilled holds the row after the
+        running ones; once all its prompt tokens but the last are in the cache it joins them (and decodes
+        in this step), and the next waiting one takes the rest of the budget.
+
+        Example, prefill_chunk 4, prompts of 10 and 3 tokens waiting (9 and 2 to feed): step 1 feeds tokens
+        0..3 of the first, step 2 tokens 4..7, step 3 token 8 (the first joins) and tokens 0..1 of the second
+        (it joins too).
+        """
+        budget = self.prefill_chunk
+        while True:
+            if self.prefilling is None:
+                if not self.waiting or len(self.running) >= self.max_batch_size:
+                    return
+                self.prefilling = self.waiting.popleft()
+                self.prefilling.row = len(self.running)
+                self._free_row(self.prefilling.row)  # empty already (rows past the batch are freed); made sure
+            seq = self.prefilling
+            budget -= self._prefill_chunk(seq, budget)
+            if self.cache.lengths[seq.row] < len(seq.prompt_ids) - 1:
+                return  # the budget is spent
+            self.prefilling = None
+            self.running.append(seq)  # its row is len(running) before the append: the batch stays packed
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """Feed the next at most `budget` prompt tokens of `seq` (in its own row); returns how many."""
+        start = self.cache.lengths[seq.row]
+        stop = min(len(seq.prompt_ids) - 1, start + budget)
+        if stop <= start:
+            return 0
+        t0 = self._now()
         device = self.target.device
-        for start in range(0, end, self.prefill_chunk):
-            stop = min(end, start + self.prefill_chunk)
-            chunk = torch.tensor([seq.tokens[start:stop]], device=device)
-            self.target(chunk, torch.arange(start, stop, device=device)[None], view, num_logits=1)
-            view.advance(0, stop - start)
-        self.cache.lengths[seq.row] = view.lengths[0]
-        seq.metrics.prefill_time = self._now() - t0
+        chunk = torch.tensor([seq.prompt_ids[start:stop]], device=device)
+        self.target(chunk, torch.arange(start, stop, device=device)[None], self.cache.row_view(seq.row), num_logits=1)
+        self.cache.advance(seq.row, stop - start)
+        seq.metrics.prefill_time += self._now() - t0
+        return stop - start
 
     def _retire_finished(self) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        row, last = seq.row, len(self.running) - 1
-        moved = self.running[last]
-        if row != last:  # keep rows packed: the last sequence takes the freed row
-            self.cache.move_row(last, row)
-            if self.proposer is not None:
-                self.proposer.move_row(last, row)
-            moved.row = row
-            self.running[row] = moved
-        self.running.pop()
-        self.cache.lengths[last] = 0
-        if self.proposer is not None:
-            self.proposer.release(last)
+        """Free the row of `seq` (running or being prefilled), keeping rows packed: the last running sequence
+        takes the freed row and the sequence being prefilled, if any, the row after the running ones."""
+        if seq is self.prefilling:
+            self.prefilling = None
+            self._free_row(seq.row)
+        else:
+            row = seq.row
+            last = self.running.pop()
+            if last is not seq:
+                self.running[row] = last
+                self._move_row(last, row)
+            else:
+                self._free_row(row)
+            if self.prefilling is not None:
+                self._move_row(self.prefilling, len(self.running))
+            self.acceptance.probe_every = seq.estimate.probe_every
         seq.metrics.total_time = time.perf_counter() - seq.start_time
         self.metrics.merge(seq.metrics)
-        self.acceptance.probe_every = seq.estimate.probe_every
+
+    def _move_row(self, seq: Sequence, row: int) -> None:
+        """Move `seq` (target and draft cache) into the free `row`, and free the row it leaves."""
+        self.cache.move_row(seq.row, row)
+        if self.proposer is not None:
+            self.proposer.move_row(seq.row, row)
+        self._free_row(seq.row)
+        seq.row = row
+
+    def _free_row(self, row: int) -> None:
+        self.cache.lengths[row] = 0
+        if self.proposer is not None:
+            self.proposer.release(row)
 
     def _drop_aborted(self) -> list[RequestOutput]:
         if not self._aborted:
@@ -303,7 +345,8 @@ class Engine:
             self.waiting.remove(seq)
             seq.finish_reason = "abort"
             outputs.append(self._output(seq, []))
-        for seq in [s for s in self.running if s.request_id in self._aborted]:
+        joining = [self.prefilling] if self.prefilling is not None else []
+        for seq in [s for s in self.running + joining if s.request_id in self._aborted]:
             seq.finish_reason = "abort"
             self._release(seq)
             outputs.append(self._output(seq, []))
