@@ -106,6 +106,41 @@ def test_tree_mask_positions_and_commit_match_decoding_each_path_alone():
     assert torch.allclose(got, expected, atol=1e-5)
 
 
+def test_tree_nodes_get_the_bits_of_their_path_decoded_one_token_at_a_time():
+    """bf16, exact: a tree pass gives each node the logits that plain decoding of its path gives, bit for
+    bit, also for nodes off the first branch and across a 64-key block boundary (what makes greedy tree
+    verification exact)."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    parents = [-1, 0, 0, 1, 2, 2, 5, 3]  # root's children 1, 2; 5 under 2; 6 under 5; 7 under 3
+    for prefix_len in (5, 60):
+        prefix = torch.randint(0, 97, (1, prefix_len), generator=gen)
+        nodes = torch.randint(0, 97, (1, len(parents)), generator=gen)
+        paths = []
+        for i in range(len(parents)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, j)
+                j = parents[j]
+            paths.append(path)
+        mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+        for i, path in enumerate(paths):
+            mask[i, path] = True
+        depth = torch.tensor([len(p) - 1 for p in paths])
+        cache = model.new_cache(1, 128)
+        model(prefix, torch.arange(prefix_len)[None], cache)
+        cache.advance(0, prefix_len)
+        tree_logits = model(nodes, (prefix_len + depth)[None], cache, mask=mask[None])[0]
+        for i, path in enumerate(paths):
+            alone = model.new_cache(1, 128)
+            model(prefix, torch.arange(prefix_len)[None], alone)
+            alone.advance(0, prefix_len)
+            for d, node in enumerate(path):  # plain decoding: one token per pass
+                logits = model(nodes[:, [node]], torch.tensor([[prefix_len + d]]), alone)[0, 0]
+                alone.advance(0, 1)
+            assert torch.equal(tree_logits[i], logits), (prefix_len, i)
+
+
 def test_batched_rows_of_different_lengths_match_single_rows():
     model = tiny_model("llama", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(5)

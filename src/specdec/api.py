@@ -19,6 +19,7 @@ import torch
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.cache import KVCache
 from specdec.engine import Engine
+from specdec.heads.modules import head_bytes, load_heads, resolve_heads
 from specdec.memory import device_memory, plan_memory
 from specdec.models.llama import Transformer
 from specdec.models.loading import cpu_has_native_bf16, load_checkpoint, resolve_dtype
@@ -27,7 +28,9 @@ from specdec.models.store import resolve_model
 from specdec.models.tokenizer import Tokenizer
 from specdec.outputs import RequestOutput
 from specdec.speculative.compat import check_draft_compatible
+from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+from specdec.speculative.tree import TreeShape
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -113,15 +116,24 @@ class LLM:
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.config.max_position_embeddings)
         self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
         self.draft_model = self._load_draft()
+        self.heads = self._load_heads()
+        draft_weights, draft_kv_per_token = 0, 0
+        if self.draft_model is not None:
+            draft_weights = model_bytes(self.draft_model)
+            draft_kv_per_token = KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype)
+        elif self.heads is not None:
+            draft_weights = head_bytes(self.heads)
+            if self.spec.method == "eagle":
+                draft_kv_per_token = KVCache.bytes_per_token(self.heads.config.layer_config(), self.dtype)
         self.memory_plan = plan_memory(
             budget=int(memory_utilization * device_memory(self.device)),
             target_weights=model_bytes(self.target),
-            draft_weights=model_bytes(self.draft_model) if self.draft_model is not None else 0,
+            draft_weights=draft_weights,
             target_kv_per_token=KVCache.bytes_per_token(self.target.config, self.dtype),
-            draft_kv_per_token=KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype)
-            if self.draft_model is not None else 0,
+            draft_kv_per_token=draft_kv_per_token,
             max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
+            draft_label="heads" if self.heads is not None else "draft",
         )
         self.engine = Engine(
             self.target,
@@ -145,6 +157,20 @@ class LLM:
         check_draft_compatible(self.tokenizer, draft_tokenizer, self.target.config, draft.config)
         return draft
 
+    def _load_heads(self):
+        spec = self.spec
+        if spec is None or spec.method not in ("medusa", "eagle") or spec.num_speculative_tokens == 0:
+            return None
+        return load_heads(resolve_heads(spec.model), self.target, spec.method)
+
+    def _tree(self) -> TreeShape | None:
+        spec = self.spec
+        if spec.tree is None:
+            return None
+        if spec.tree == "default":
+            return default_tree(spec.num_speculative_tokens)
+        return TreeShape.from_choices(spec.tree)
+
     def _build_proposer(self, max_num_seqs: int):
         spec = self.spec
         if spec is None or spec.num_speculative_tokens == 0:
@@ -153,6 +179,13 @@ class LLM:
             return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
         if spec.method == "draft_model":
             return DraftModelProposer(self.draft_model, max_num_seqs, self.max_model_len)
+        tree = self._tree()
+        vocab = self.target.config.vocab_size
+        if spec.method == "medusa":
+            return MedusaProposer(self.heads, vocab, tree)
+        if spec.method == "eagle":
+            nodes = len(tree.paths) if tree is not None else spec.num_speculative_tokens
+            return EagleProposer(self.heads, vocab, max_num_seqs, self.max_model_len + nodes + 1, tree)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     # ----------------------------------------------------------------------------------- generation
@@ -209,4 +242,7 @@ class LLM:
             }
             if self.draft_model is not None:
                 info["speculative"]["draft_quantization"] = self.draft_quantization
+            if self.heads is not None:
+                info["speculative"]["tree"] = self.spec.tree
+                info["speculative"]["heads_training"] = self.heads.config.training
         return info

@@ -1,4 +1,4 @@
-"""`specdec generate | serve | models | convert | bench`."""
+"""`specdec generate | serve | models | convert | train-heads`."""
 
 from __future__ import annotations
 
@@ -101,6 +101,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from specdec.api import default_device, load_model
+    from specdec.heads.train import DEFAULT_DATA, TrainConfig, train_heads
+    from specdec.models.loading import cpu_has_native_bf16, resolve_dtype
+    from specdec.models.quant import resolve_quantization
+    from specdec.models.store import KNOWN_MODELS, pull
+
+    if args.model in KNOWN_MODELS:
+        pull(args.model)
+    device = torch.device(args.device) if args.device else default_device()
+    quantization = resolve_quantization(args.quantization, device, cpu_has_native_bf16())
+    dtype = torch.bfloat16 if quantization != "none" else resolve_dtype(args.dtype, device)
+    target, tokenizer, _ = load_model(args.model, dtype, device, quantization)
+    cfg = TrainConfig(
+        method=args.method, out=Path(args.out), features=Path(args.features) if args.features else None,
+        corpus_tokens=args.corpus_tokens, self_distill_prompts=args.self_distill_prompts,
+        self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
+        num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        data_dir=Path(args.data_dir) if args.data_dir else DEFAULT_DATA,
+    )
+    report = train_heads(target, tokenizer, args.model, cfg)
+    print(json.dumps(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +164,26 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("gguf")
     conv.add_argument("out_dir")
     conv.set_defaults(func=cmd_convert)
+
+    heads = sub.add_parser("train-heads", help="train Medusa or EAGLE draft heads for a target")
+    heads.add_argument("model", help="target model: path or known name")
+    heads.add_argument("--method", required=True, choices=["medusa", "eagle"])
+    heads.add_argument("--out", required=True, help="folder for the heads (resumes from its checkpoint)")
+    heads.add_argument("--features", help="folder of cached target features (default OUT/features)")
+    heads.add_argument("--corpus-tokens", type=int, default=24_000, help="standard-library tokens")
+    heads.add_argument("--self-distill-prompts", type=int, default=24, help="training-split prompts answered by the target")
+    heads.add_argument("--self-distill-tokens", type=int, default=128)
+    heads.add_argument("--seq-len", type=int, default=256)
+    heads.add_argument("--vocab-size", type=int, default=8192, help="reduced output vocabulary")
+    heads.add_argument("--num-heads", type=int, default=3, help="Medusa heads")
+    heads.add_argument("--epochs", type=int, default=4)
+    heads.add_argument("--batch-size", type=int, default=4)
+    heads.add_argument("--lr", type=float, default=1e-3)
+    heads.add_argument("--data-dir", help="the prompt sets (default ../shared/data)")
+    heads.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    heads.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    heads.add_argument("--device")
+    heads.set_defaults(func=cmd_train_heads)
 
     args = parser.parse_args(argv)
     from specdec.memory import MemoryBudgetError

@@ -8,7 +8,8 @@ decoding; it joins them once its prompt is in the cache.
 
 Invariant: the target cache holds every token of a sequence but the last; a step feeds
 `[last, *draft]` (T = K + 1 tokens) and commits `1 + accepted` of them. Plain decoding is the same
-step with an empty draft.
+step with an empty draft. A tree draft is verified in the same pass with a tree mask, and its accepted
+path is gathered into place (`KVCache.commit`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from specdec.sampling import make_generator, process_logits, sample
 from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
 from specdec.speculative.proposers import Draft, Proposer
+from specdec.speculative.tree import ancestor_mask, depths, greedy_accept_tree, tree_rejection_sample
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Engine:
         self.acceptance = AcceptanceEstimate()  # over all sequences: the prior of new ones
         self._aborted: set[str] = set()
         self._sync = target.device.type == "cuda"
+        self._needs_hidden = bool(getattr(proposer, "needs_hidden", False))
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -140,23 +143,25 @@ class Engine:
         drafts = self.proposer.propose(seqs, ks) if self.proposer is not None and max(ks) > 0 else \
             [Draft([]) for _ in seqs]
         t1 = self._now()
-        target_logits = self._verify(seqs, drafts)  # [B, T, V]
+        target_logits, hidden = self._verify(seqs, drafts)  # [B, T, V], [B, T, H] or None
         t2 = self._now()
         verdicts = [self._accept(seq, draft, target_logits[b]) for b, (seq, draft) in enumerate(zip(seqs, drafts))]
-        for seq, draft, verdict in zip(seqs, drafts, verdicts):
-            self.cache.advance(seq.row, 1 + verdict.num_accepted)
+        committed = [[0] + [1 + i for i in verdict.kept()] for verdict in verdicts]  # [last, *kept] in the pass
+        for seq, slots in zip(seqs, committed):
+            self.cache.commit(seq.row, slots)
         if self.proposer is not None:
-            self.proposer.observe(seqs, drafts, verdicts)
+            kept_hidden = None if hidden is None else [hidden[b, slots] for b, slots in enumerate(committed)]
+            self.proposer.observe(seqs, drafts, verdicts, kept_hidden)
 
         self._record_costs(seqs, drafts, t1 - t0, t2 - t1, max(ks))
         for seq, draft, verdict in zip(seqs, drafts, verdicts):
             new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
-            seq.metrics.record_step(len(draft.tokens), verdict.num_accepted, len(new_ids))
+            seq.metrics.record_step(draft.depth, verdict.num_accepted, len(new_ids))
             seq.metrics.draft_time += (t1 - t0) / len(seqs)
             seq.metrics.target_time += (t2 - t1) / len(seqs)
             decay = getattr(self.controller, "decay", 1.0)
-            seq.estimate.update(len(draft.tokens), verdict.num_accepted, decay)
-            self.acceptance.update(len(draft.tokens), verdict.num_accepted, decay)
+            seq.estimate.update(draft.depth, verdict.num_accepted, decay)
+            self.acceptance.update(draft.depth, verdict.num_accepted, decay)
             outputs.append(self._output(seq, new_ids))
         self._retire_finished()
         return outputs
@@ -176,22 +181,43 @@ class Engine:
             for k, s in zip(ks, seqs)
         ]
 
-    def _verify(self, seqs: list[Sequence], drafts: list[Draft]) -> torch.Tensor:
-        """One target pass over `[last, *draft]` for every sequence (right-padded to the longest)."""
+    def _verify(self, seqs: list[Sequence], drafts: list[Draft]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target pass over `[last, *draft]` for every sequence (right-padded to the longest): logits
+        [B, T, V] and, for proposers that read them, final hidden states [B, T, H]. Tree drafts get a tree
+        mask and positions by depth (chains in the same batch: a one-branch tree)."""
         width = 1 + max(len(d.tokens) for d in drafts)
-        rows, positions = [], []
+        trees = any(d.parents is not None for d in drafts)
+        rows, positions, masks = [], [], []
         for seq, draft in zip(seqs, drafts):
             row = [seq.tokens[-1], *draft.tokens]
-            rows.append(row + [row[-1]] * (width - len(row)))  # pads are never committed
+            n = len(row)
+            rows.append(row + [row[-1]] * (width - n))  # pads are never committed
             start = len(seq.tokens) - 1
-            positions.append(list(range(start, start + width)))
+            if not trees:
+                positions.append(list(range(start, start + width)))
+                continue
+            parents = draft.parents if draft.parents is not None else list(range(-1, n - 2))
+            mask = torch.eye(width, dtype=torch.bool)
+            mask[:n, :n] = ancestor_mask(parents)
+            mask[n:, 0] = True  # pads see the root only
+            masks.append(mask)
+            positions.append([start + d for d in [0, *depths(parents)]] + [start + 1] * (width - n))
         device = self.target.device
-        return self.target(torch.tensor(rows, device=device), torch.tensor(positions, device=device), self.cache)
+        out = self.target(
+            torch.tensor(rows, device=device), torch.tensor(positions, device=device), self.cache,
+            mask=torch.stack(masks).to(device) if trees else None, return_hidden=self._needs_hidden,
+        )
+        return out if self._needs_hidden else (out, None)
 
     def _accept(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor) -> Verdict:
         """target_logits: [T, V]; only the first len(draft) + 1 rows are real."""
         k = len(draft.tokens)
         logits = target_logits[: k + 1]
+        if draft.parents is not None:
+            if seq.params.greedy:
+                return greedy_accept_tree(draft.tokens, draft.parents, logits)
+            target_probs = process_logits(logits, seq.params)
+            return tree_rejection_sample(draft.tokens, draft.parents, draft.probs, target_probs, seq.generator)
         if seq.params.greedy:
             return greedy_accept(draft.tokens, logits)
         target_probs = process_logits(logits, seq.params)
@@ -295,7 +321,10 @@ class Engine:
         t0 = self._now()
         device = self.target.device
         chunk = torch.tensor([seq.prompt_ids[start:stop]], device=device)
-        self.target(chunk, torch.arange(start, stop, device=device)[None], self.cache.row_view(seq.row), num_logits=1)
+        out = self.target(chunk, torch.arange(start, stop, device=device)[None], self.cache.row_view(seq.row),
+                          num_logits=1, return_hidden=self._needs_hidden)
+        if self._needs_hidden:  # proposers on the target's features (Medusa, EAGLE) see the prompt's
+            self.proposer.observe_prefill(seq, out[1][0])
         self.cache.advance(seq.row, stop - start)
         seq.metrics.prefill_time += self._now() - t0
         return stop - start

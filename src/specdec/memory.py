@@ -38,6 +38,7 @@ class MemoryPlan:
     draft_kv_per_token: int
     max_model_len: int
     max_num_seqs: int
+    draft_label: str = "draft"  # what drafts: "draft" (a model) or "heads" (Medusa, EAGLE)
 
     @property
     def kv_tokens(self) -> int:
@@ -66,9 +67,9 @@ class MemoryPlan:
         return "\n".join([
             f"memory budget      {gib(self.budget)}",
             f"  target weights   {gib(self.target_weights)}",
-            f"  draft weights    {gib(self.draft_weights)}",
+            f"  {self.draft_label + ' weights':17}{gib(self.draft_weights)}",
             f"  target KV cache  {gib(self.target_kv)}  ({self.target_kv_per_token} B/token)",
-            f"  draft KV cache   {gib(self.draft_kv)}  ({self.draft_kv_per_token} B/token)",
+            f"  {self.draft_label + ' KV cache':17}{gib(self.draft_kv)}  ({self.draft_kv_per_token} B/token)",
             f"  total            {gib(used)}",
             f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.max_model_len} tokens",
         ])
@@ -82,12 +83,13 @@ def plan_memory(
     draft_kv_per_token: int,
     max_model_len: int,
     max_num_seqs: int,
+    draft_label: str = "draft",
 ) -> MemoryPlan:
     """Fit weights, then as many sequences (up to `max_num_seqs`) of `max_model_len` tokens as remain room."""
     weights = target_weights + draft_weights
     if weights > budget:
         raise MemoryBudgetError(
-            f"the weights alone do not fit the memory budget: target {target_weights / GiB:.3f} GiB + draft "
+            f"the weights alone do not fit the memory budget: target {target_weights / GiB:.3f} GiB + {draft_label} "
             f"{draft_weights / GiB:.3f} GiB = {weights / GiB:.3f} GiB > budget {budget / GiB:.3f} GiB; raise "
             f"--memory-utilization or use a smaller model"
         )
@@ -100,4 +102,4 @@ def plan_memory(
             f"tokens ({per_seq / GiB:.3f} GiB); lower --max-model-len or raise --memory-utilization"
         )
     return MemoryPlan(budget, target_weights, draft_weights, target_kv_per_token, draft_kv_per_token,
-                      max_model_len, int(min(max_num_seqs, fits)))
+                      max_model_len, int(min(max_num_seqs, fits)), draft_label)

@@ -26,6 +26,53 @@ from specdec.config import ModelConfig
 KEY_BLOCK = 64  # attention key length granularity; KV cache capacities are multiples of it
 
 
+def attention_inputs(
+    cache: KVCache,
+    positions: torch.Tensor,  # [B, T] rope positions of the new tokens
+    mask: torch.Tensor | None,  # [B, T, T] bool among the new tokens; None: causal
+    inv_freq: torch.Tensor,  # [head_dim // 2]
+    dtype: torch.dtype,
+):
+    """What every layer of one pass needs: rope (cos, sin), the write slots, the key mask, and, for a
+    tree pass on CPU, each query's key slots (see `Attention._exact_tree_attention`).
+
+    Returns cos, sin [B, T, head_dim]; write_slots [B, T] or None (rows of equal length write a slice);
+    mask [B, T, S] over key slots; key_index [B, T, S] or None.
+    """
+    B, T = positions.shape
+    lengths = cache.lengths[:B]
+    if max(lengths) + T > cache.capacity:
+        raise ValueError(f"sequence of {max(lengths) + T} tokens exceeds the KV cache capacity of {cache.capacity}")
+    # Attend over whole blocks of KEY_BLOCK slots (the extra ones masked): every softmax row then has a
+    # length that is a multiple of the vector width, so each score takes the same (vectorized) exp
+    # whatever the number of rows in the pass; a row's result must not depend on it.
+    S = -(-(max(lengths) + T) // KEY_BLOCK) * KEY_BLOCK
+    device = positions.device
+    lens = torch.tensor(lengths, device=device)  # [B]
+    slot = torch.arange(S, device=device)  # [S]
+    write_slots = None if min(lengths) == max(lengths) else lens[:, None] + torch.arange(T, device=device)
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    new_idx = slot[None, :] - lens[:, None]  # [B, S] index among new tokens, <0 for committed
+    if mask is not None and device.type == "cpu":  # a tree: keys of each node in chain order
+        visible = mask.sum(-1)  # [B, T] ancestors + self
+        order = torch.where(mask, torch.arange(T, device=device), T).sort(dim=-1).values  # ancestors first, by index
+        new_key = new_idx[:, None, :].expand(B, T, S)  # [B, T, S]
+        in_path = (new_key >= 0) & (new_key < visible[..., None])
+        path_slot = lens[:, None, None] + torch.gather(order, 2, new_key.clamp(0, T - 1))
+        key_index = torch.where(in_path, path_slot, slot.expand(B, T, S))
+        full_mask = (new_key < 0) | in_path
+        return cos, sin, write_slots, full_mask, key_index
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_().expand(B, T, T)
+    in_new = (new_idx >= 0) & (new_idx < T)  # [B, S]
+    gathered = torch.gather(mask, 2, new_idx.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+    full_mask = (new_idx < 0)[:, None, :] | (in_new[:, None, :] & gathered)  # [B, T, S]
+    return cos, sin, write_slots, full_mask, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -86,7 +133,8 @@ class Attention(nn.Module):
         sin: torch.Tensor,  # [B, T, head_dim]
         cache: KVCache,
         write_slots: torch.Tensor | None,  # [B, T] cache slots of the new tokens, or None: rows' slots are a slice
-        mask: torch.Tensor,  # [B, T, S] bool, True where a query may attend a key slot
+        mask: torch.Tensor,  # [B, T, S] bool, True where a query may attend key s (of key_index, if given)
+        key_index: torch.Tensor | None = None,  # [B, T, S] the cache slot of each query's key s (tree passes)
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
@@ -112,6 +160,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
             ).transpose(1, 2)
+        elif key_index is not None:
+            out = self._exact_tree_attention(q, keys, values, mask, key_index)
         else:
             out = self._exact_attention(q, keys, values, mask)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
@@ -129,6 +179,26 @@ class Attention(nn.Module):
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(B, self.num_kv_heads, G * T, -1)
         out = torch.matmul(probs, values)  # [B, KV, G*T, D]
         return out.view(B, self.num_kv_heads, G, T, D).permute(0, 3, 1, 2, 4)
+
+    def _exact_tree_attention(self, q, keys, values, mask, key_index):
+        """Attention of tree nodes, each over its own keys gathered into the layout of a chain.
+
+        A node's keys are the committed prefix, then its ancestors and itself in depth order: the same
+        slots, in the same order, that decoding its path one token at a time would attend. Each query
+        is its own [G, S] matmul, as in a one-token decode step, so a node gets the bits it would get
+        there. q: [B, T, H, D]; keys, values: [B, KV, S, D]; mask, key_index: [B, T, S].
+        """
+        B, T, H, D = q.shape
+        KV, G = self.num_kv_heads, H // self.num_kv_heads
+        rows = torch.arange(B, device=q.device)[:, None, None]
+        keys = keys[rows, :, key_index].permute(0, 3, 1, 2, 4)  # [B, KV, T, S, D]
+        values = values[rows, :, key_index].permute(0, 3, 1, 2, 4)
+        qg = q.view(B, T, KV, G, D).permute(0, 2, 1, 3, 4)  # [B, KV, T, G, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (D ** -0.5)  # [B, KV, T, G, S]
+        scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values)  # [B, KV, T, G, D]
+        return out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 
 class MLP(nn.Module):
@@ -150,8 +220,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, write_slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask)
+    def forward(self, x, cos, sin, cache, write_slots, mask, key_index=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask, key_index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,31 +286,12 @@ class Transformer(nn.Module):
         of their row and the new tokens that `mask` allows (causal by default; a tree mask for tree drafts).
         """
         B, T = tokens.shape
-        lengths = cache.lengths[:B]
-        if max(lengths) + T > cache.capacity:
-            raise ValueError(f"sequence of {max(lengths) + T} tokens exceeds the KV cache capacity of {cache.capacity}")
-        # Attend over whole blocks of KEY_BLOCK slots (the extra ones masked): every softmax row then has a
-        # length that is a multiple of the vector width, so each score takes the same (vectorized) exp
-        # whatever the number of rows in the pass; a row's result must not depend on it.
-        S = -(-(max(lengths) + T) // KEY_BLOCK) * KEY_BLOCK
-        device = tokens.device
-        lens = torch.tensor(lengths, device=device)  # [B]
-        slot = torch.arange(S, device=device)  # [S]
-        new_idx = slot[None, :] - lens[:, None]  # [B, S] index among new tokens, <0 for committed
-        if mask is None:
-            mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_().expand(B, T, T)
-        in_new = (new_idx >= 0) & (new_idx < T)  # [B, S]
-        gathered = torch.gather(mask, 2, new_idx.clamp(0, T - 1)[:, None, :].expand(B, T, S))
-        full_mask = (new_idx < 0)[:, None, :] | (in_new[:, None, :] & gathered)  # [B, T, S]
-        write_slots = None if min(lengths) == max(lengths) else lens[:, None] + torch.arange(T, device=device)
-
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-
+        cos, sin, write_slots, full_mask, key_index = attention_inputs(
+            cache, positions, mask, self.inv_freq, self.dtype
+        )
         h = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, write_slots, full_mask)
+            h = layer(h, cos, sin, cache, write_slots, full_mask, key_index)
         h = self.model.norm(h)
         logits = self.lm_head(h if num_logits is None else h[:, -num_logits:]).float()
         return (logits, h) if return_hidden else logits

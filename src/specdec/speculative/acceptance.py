@@ -13,11 +13,16 @@ import torch
 
 @dataclass(frozen=True)
 class Verdict:
-    num_accepted: int  # leading drafted tokens kept
-    next_token: int  # recovered (num_accepted < num drafted) or bonus token
+    num_accepted: int  # drafted tokens kept
+    next_token: int  # recovered (a drafted token was rejected) or bonus token
+    path: tuple[int, ...] | None = None  # tree drafts: the kept nodes, root to leaf; None: a chain's first tokens
+
+    def kept(self) -> list[int]:
+        """Indices of the kept drafted tokens."""
+        return list(self.path) if self.path is not None else list(range(self.num_accepted))
 
     def output_tokens(self, draft_tokens: list[int]) -> list[int]:
-        return list(draft_tokens[: self.num_accepted]) + [self.next_token]
+        return [draft_tokens[i] for i in self.kept()] + [self.next_token]
 
 
 def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> Verdict:

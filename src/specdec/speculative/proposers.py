@@ -20,7 +20,17 @@ from specdec.speculative.acceptance import Verdict
 @dataclass
 class Draft:
     tokens: list[int]  # [k] proposed token ids
-    probs: torch.Tensor | None = None  # [k, V] draft_probs (processed); None: point masses (n-gram, greedy)
+    probs: torch.Tensor | None = None  # [k, V] draft_probs (processed) token i was drawn from; None: point masses
+    parents: list[int] | None = None  # tree drafts: parent of token i (-1: the last token); None: a chain
+
+    @property
+    def depth(self) -> int:
+        """The most drafted tokens one pass can accept."""
+        if self.parents is None:
+            return len(self.tokens)
+        from specdec.speculative.tree import depths
+
+        return max(depths(self.parents), default=0)
 
 
 class SequenceLike(Protocol):
@@ -35,7 +45,9 @@ class SequenceLike(Protocol):
 class Proposer(Protocol):
     def propose(self, seqs: Seq[SequenceLike], ks: Seq[int]) -> list[Draft]: ...
 
-    def observe(self, seqs: Seq[SequenceLike], drafts: Seq[Draft], verdicts: Seq[Verdict]) -> None: ...
+    def observe(self, seqs: Seq[SequenceLike], drafts: Seq[Draft], verdicts: Seq[Verdict], hidden=None) -> None:
+        """After verification; `hidden[i]` ([kept + 1, H], for proposers with `needs_hidden`) holds the
+        target's final hidden states of the tokens it committed for sequence i this step."""
 
     def release(self, row: int) -> None: ...
 
@@ -48,7 +60,9 @@ class Proposer(Protocol):
 class StatelessProposer:
     """A proposer that keeps nothing per sequence: verdicts, row moves and releases concern it not."""
 
-    def observe(self, seqs, drafts, verdicts) -> None:
+    needs_hidden = False
+
+    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         pass
 
     def release(self, row: int) -> None:
@@ -97,6 +111,8 @@ class DraftModelProposer:
     lacks (usually 1; 2 after a fully accepted draft: the last drafted token and the bonus token; more
     after a stretch without speculation, fed as one prefill), then drafts one token per pass.
     """
+
+    needs_hidden = False
 
     def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512) -> None:
         self.model = model
@@ -173,7 +189,7 @@ class DraftModelProposer:
             for b in range(B)
         ]
 
-    def observe(self, seqs, drafts, verdicts) -> None:
+    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         """Roll the draft cache back to the tokens the target kept (the drafted token fed last is kept
         only if accepted; the recovered/bonus token is fed at the next proposal)."""
         for seq, verdict in zip(seqs, verdicts):

@@ -1,0 +1,268 @@
+"""Medusa heads and the EAGLE head: small modules on the target's last hidden state.
+
+Both predict over a reduced output vocabulary (`vocab_ids`, e.g. the 8192 tokens the target emits most
+often on the training corpus) with the target's own output-layer rows for those tokens, taken from the
+target when the heads are attached: the files hold only what was trained, and a token outside the
+reduced vocabulary is simply never drafted (drafts never change the output, only how often they agree).
+
+- Medusa (Cai et al. 2024): head i is a residual block on the hidden state of token t and guesses token
+  t + 2 + i (the target's own output layer guesses t + 1).
+- EAGLE (Li et al. 2024): one decoder layer, run autoregressively on features. The input for token t is
+  the target's hidden state of token t fused with the embedding of token t + 1; the output is the
+  predicted hidden state of token t + 1, whose output-layer logits guess token t + 2.
+
+Heads are saved as `model.safetensors` + `config.json` naming the target and a fingerprint of its
+weights; loading them for another target is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specdec.cache import KVCache
+from specdec.config import ModelConfig
+from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
+
+HEAD_METHODS = ("medusa", "eagle")
+
+
+class HeadsMismatchError(ValueError):
+    """The heads were trained for another target."""
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    method: str  # medusa | eagle
+    target: str  # the target's name when the heads were trained
+    target_fingerprint: str  # `target_fingerprint(target)` of that target
+    hidden_size: int
+    vocab_size: int  # reduced output vocabulary
+    num_heads: int = 4  # medusa: one head per drafted position
+    # eagle: the shape of its one decoder layer (attention as the target's)
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    training: dict[str, Any] = field(default_factory=dict)  # the training report
+
+    def __post_init__(self) -> None:
+        if self.method not in HEAD_METHODS:
+            raise ValueError(f"unknown head method {self.method!r}; choose one of {', '.join(HEAD_METHODS)}")
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(
+            architecture="EagleHead",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+        )
+
+    @classmethod
+    def for_target(cls, method: str, target, target_name: str, vocab_size: int, **kw) -> "HeadsConfig":
+        """Default head shapes for `target`: EAGLE attention like the target's, a narrow MLP."""
+        c = target.config
+        if method == "eagle":
+            kw = {
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim,
+                "intermediate_size": max(64, c.hidden_size * 2 // 3),
+                "rms_norm_eps": c.rms_norm_eps,
+                "rope_theta": c.rope_theta,
+                **kw,
+            }
+        return cls(method, target_name, target_fingerprint(target), c.hidden_size, vocab_size, **kw)
+
+
+def target_fingerprint(target) -> str:
+    """sha256 of the target's shape and of weights no quantization touches (embedding rows, final norm),
+    rounded to bf16: the same checkpoint gives the same fingerprint in fp32, bf16 or int8."""
+    c = target.config
+    digest = hashlib.sha256(
+        json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads]).encode()
+    )
+    embed = target.model.embed_tokens.weight
+    stride = max(1, embed.shape[0] // 256)
+    for t in (embed[::stride], target.model.norm.weight):
+        digest.update(t.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def output_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The target's output-layer rows [len(vocab_ids), hidden] for the reduced vocabulary (fp32)."""
+    lm_head = target.lm_head
+    if isinstance(lm_head, nn.Linear):
+        return lm_head.weight.detach()[vocab_ids].float()
+    if hasattr(lm_head, "qweight"):  # Int8Linear: per-channel scales
+        return lm_head.qweight[vocab_ids].float() * lm_head.scale[vocab_ids].float()[:, None]
+    raise ValueError(f"draft heads need a float or int8 output layer, not {type(lm_head).__name__}")
+
+
+class _Head(nn.Module):
+    """What both kinds share: the reduced vocabulary and the target's rows for it."""
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("vocab_ids", torch.arange(config.vocab_size))
+        self.register_buffer("lm_rows", torch.zeros(config.vocab_size, config.hidden_size), persistent=False)
+
+    def attach(self, target) -> "_Head":
+        """Take the target's output rows (and embedding, for EAGLE); move to its device and dtype."""
+        self.to(device=target.device)
+        dtype = next(self.parameters()).dtype
+        self.lm_rows = output_rows(target, self.vocab_ids).to(target.device, dtype)
+        return self
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., vocab_size] fp32 logits over the reduced vocabulary."""
+        return torch.matmul(hidden.to(self.lm_rows.dtype), self.lm_rows.t()).float()
+
+    def expand(self, reduced: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Reduced logits [..., vocab_size] -> [..., vocab] over the target's vocabulary, -inf outside."""
+        out = reduced.new_full((*reduced.shape[:-1], vocab), float("-inf"))
+        return out.index_copy_(-1, self.vocab_ids, reduced)
+
+    def full_logits(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+        """[..., vocab] fp32 logits of hidden states [..., H] over the target's vocabulary."""
+        return self.expand(self.logits(hidden), vocab)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero-initialised: a new head starts as the target's own output layer."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(_Head):
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__(config)
+        self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (the target's final hidden state of token t) -> logits [..., num_heads, vocab_size];
+        head i guesses token t + 2 + i."""
+        return torch.stack([self.logits(block(hidden)) for block in self.blocks], dim=-2)
+
+
+class EagleHead(_Head):
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__(config)
+        H = config.hidden_size
+        self.fc = nn.Linear(2 * H, H)
+        self.layer = DecoderLayer(config.layer_config(), 0)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(config.layer_config()), persistent=False)
+        self.register_buffer("embed_weight", torch.zeros(0, H), persistent=False)
+
+    def attach(self, target) -> "EagleHead":
+        super().attach(target)
+        self.embed_weight = target.model.embed_tokens.weight.detach()
+        self.inv_freq = rope_inv_freq(self.config.layer_config()).to(target.device)
+        return self
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache(self.config.layer_config(), batch_size, capacity, self.fc.weight.dtype, self.fc.weight.device)
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [B, T, H] hidden state of token t (the target's, or predicted)
+        next_tokens: torch.Tensor,  # [B, T] token t + 1
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache,
+        mask: torch.Tensor | None = None,  # [B, T, T] among the new inputs; None: causal
+    ) -> torch.Tensor:
+        """The predicted hidden state of token t + 1, [B, T, H]. Like `Transformer.forward`, writes the new
+        K/V past each row's committed length and commits nothing."""
+        dtype = self.fc.weight.dtype
+        x = torch.cat([features.to(dtype), nn.functional.embedding(next_tokens, self.embed_weight).to(dtype)], -1)
+        cos, sin, write_slots, full_mask, key_index = attention_inputs(cache, positions, mask, self.inv_freq, dtype)
+        h = self.layer(self.fc(x), cos, sin, cache, write_slots, full_mask, key_index)
+        return self.norm(h)
+
+
+HEAD_CLASSES = {"medusa": MedusaHeads, "eagle": EagleHead}
+
+
+def save_heads(head: _Head, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).cpu().contiguous()
+        for name, t in head.state_dict().items()
+    }
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(dataclasses.asdict(head.config), indent=2) + "\n")
+
+
+def read_heads_config(directory: str | Path) -> HeadsConfig:
+    directory = Path(directory)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} holds no draft heads (no config.json)")
+    return HeadsConfig(**json.loads(path.read_text()))
+
+
+PRETRAINED = Path(__file__).resolve().parent / "pretrained"
+
+
+def resolve_heads(name_or_path: str) -> Path:
+    """A heads folder: a path, or the name of heads shipped with specdec (`pretrained/NAME`)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    shipped = PRETRAINED / name_or_path
+    if shipped.is_dir():
+        return shipped
+    names = sorted(p.name for p in PRETRAINED.iterdir() if (p / "config.json").is_file()) if PRETRAINED.is_dir() else []
+    raise FileNotFoundError(
+        f"no draft heads at {name_or_path!r}: not a folder, and not a shipped name ({', '.join(names) or 'none'})"
+    )
+
+
+def load_heads(directory: str | Path, target, method: str | None = None) -> _Head:
+    """Heads from `directory`, attached to `target` in its dtype. Refuses heads of another method or
+    trained for another target."""
+    config = read_heads_config(directory)
+    if method is not None and config.method != method:
+        raise ValueError(f"{directory} holds {config.method} heads, not {method}")
+    fingerprint = target_fingerprint(target)
+    if config.target_fingerprint != fingerprint:
+        raise HeadsMismatchError(
+            f"the {config.method} heads in {directory} were trained for target {config.target!r} "
+            f"(weights fingerprint {config.target_fingerprint}); this target's fingerprint is {fingerprint}"
+        )
+    head = HEAD_CLASSES[config.method](config)
+    state = load_file(str(Path(directory) / "model.safetensors"))
+    head.load_state_dict(state)
+    dtype = target.dtype
+    return head.to(dtype=dtype).attach(target).eval()
+
+
+def head_bytes(head: nn.Module) -> int:
+    """Memory of the heads: their own weights plus their copy of the target's output rows."""
+    own = sum(t.numel() * t.element_size() for t in head.state_dict().values())
+    return own + head.lm_rows.numel() * head.lm_rows.element_size()

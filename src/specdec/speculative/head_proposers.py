@@ -1,0 +1,224 @@
+"""Proposers on the target's own features: Medusa heads and the EAGLE head, chains or trees.
+
+Both read the target's final hidden states (`needs_hidden`): the engine hands them the states of the
+prompt at prefill and of the tokens committed at each step. Neither touches the target's cache.
+
+Children of a tree node are the top-ranked tokens of the node's draft distribution when greedy, and
+independent draws from it when sampling; `Draft.probs[i]` is the distribution node i was drawn from,
+which is what tree rejection sampling needs to stay exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.sampling import process_logits
+from specdec.speculative.proposers import Draft
+from specdec.speculative.tree import TreeShape, ancestor_mask, depths
+
+
+def pick_children(seq, full_logits: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
+    """n child tokens from logits [V]: the top n (greedy) or n independent seeded draws (sampling, then
+    also the processed draft distribution [V] they were drawn from)."""
+    if seq.params.greedy:
+        return torch.topk(full_logits, n).indices.tolist(), None
+    probs = process_logits(full_logits[None], seq.params)[0]
+    return torch.multinomial(probs, n, replacement=True, generator=seq.generator).tolist(), probs
+
+
+class _FeatureProposer:
+    """Row bookkeeping shared by the head proposers."""
+
+    needs_hidden = True
+
+    def __init__(self, head, vocab_size: int, tree: TreeShape | None) -> None:
+        self.head = head
+        self.vocab = vocab_size  # the target's
+        self.tree = tree
+
+    @property
+    def memory_bytes(self) -> int:
+        from specdec.heads.modules import head_bytes
+
+        return head_bytes(self.head)
+
+    def _shape(self, k: int) -> TreeShape | None:
+        """The tree (or chain) to draft with at most k tokens deep."""
+        if k <= 0:
+            return None
+        return self.tree.truncated(k) if self.tree is not None else TreeShape.chain(k)
+
+    def _draft(self, seq, shape: TreeShape, logits_of) -> Draft:
+        """Grow `shape` depth by depth; `logits_of(parent_nodes)` gives the full-vocabulary draft logits
+        [len, V] at those nodes (-1: the root)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        node_of_path: dict[tuple[int, ...], int] = {(): -1}
+        for depth in range(1, shape.depth + 1):
+            level = [(p, path) for p, path in zip(shape.parents, shape.paths) if len(path) == depth]
+            parent_paths = sorted({path[:-1] for _, path in level}, key=lambda q: node_of_path[q])
+            parent_nodes = [node_of_path[q] for q in parent_paths]
+            logits = logits_of(parent_nodes, tokens, parents)  # [len(parent_nodes), V]
+            for q, node, lg in zip(parent_paths, parent_nodes, logits):
+                children = [path for _, path in level if path[:-1] == q]  # ranks 0..n-1
+                picked, dist = pick_children(seq, lg, len(children))
+                for path in children:
+                    node_of_path[path] = len(tokens)
+                    tokens.append(picked[path[-1]])
+                    parents.append(node)
+                    if dist is not None:
+                        probs.append(dist)
+        is_chain = all(p == i - 1 for i, p in enumerate(parents))
+        return Draft(tokens, torch.stack(probs) if probs else None, None if is_chain else parents)
+
+
+class MedusaProposer(_FeatureProposer):
+    """Head d guesses the token d + 1 places after the last one, from the last committed token's feature.
+    A node at depth d takes its children from head d, whatever its path."""
+
+    def __init__(self, head, vocab_size: int, tree: TreeShape | None = None) -> None:
+        super().__init__(head, vocab_size, tree)
+        self.features: dict[int, torch.Tensor] = {}  # row -> [H] hidden state of the last committed token
+
+    def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
+        self.features[seq.row] = hidden[-1]
+
+    def propose(self, seqs, ks):
+        limit = self.head.config.num_heads
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            shape = self._shape(min(k, limit))
+            if shape is None or seq.row not in self.features:
+                drafts.append(Draft([]))
+                continue
+            logits = self.head.expand(self.head(self.features[seq.row]), self.vocab)  # [heads, V]
+            drafts.append(self._draft(seq, shape, lambda nodes, tokens, parents: logits[
+                [0 if n < 0 else depths(parents)[n] for n in nodes]]))
+        return drafts
+
+    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
+        for seq, h in zip(seqs, hidden):
+            self.features[seq.row] = h[-1]
+
+    def release(self, row: int) -> None:
+        self.features.pop(row, None)
+
+    def move_row(self, src: int, dst: int) -> None:
+        if src in self.features:
+            self.features[dst] = self.features.pop(src)
+
+
+class EagleProposer(_FeatureProposer):
+    """The EAGLE head drafts from features: its cache holds the pairs (target feature of token t, token
+    t + 1) of every committed token; the features the target committed since are pending. A proposal
+    feeds the pending pairs (committing them), then grows the tree depth by depth, each depth one pass of
+    the head over all nodes so far with a tree mask (nodes never enter the head's cache)."""
+
+    def __init__(self, head, vocab_size: int, max_batch_size: int, capacity: int,
+                 tree: TreeShape | None = None) -> None:
+        super().__init__(head, vocab_size, tree)
+        self.cache = head.new_cache(max_batch_size, capacity)
+        self.pending: dict[int, torch.Tensor] = {}  # row -> [m, H] target features not yet paired
+
+    @property
+    def memory_bytes(self) -> int:
+        return super().memory_bytes + self.cache.nbytes
+
+    def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
+        self._add_pending(seq.row, hidden)
+
+    def _add_pending(self, row: int, hidden: torch.Tensor) -> None:
+        self.pending[row] = hidden if row not in self.pending else torch.cat([self.pending[row], hidden])
+
+    def propose(self, seqs, ks):
+        k_max = max(ks, default=0)
+        if k_max == 0:
+            return [Draft([]) for _ in seqs]
+        roots = self._feed_pending(seqs)  # [B, H] predicted feature of each sequence's last token
+        drafts = []
+        for b, (seq, k) in enumerate(zip(seqs, ks)):
+            shape = self._shape(k)
+            if shape is None or roots[b] is None:
+                drafts.append(Draft([]))
+                continue
+            drafts.append(self._draft(seq, shape, self._logits_fn(seq, roots[b])))
+        return drafts
+
+    def _feed_pending(self, seqs) -> list[torch.Tensor | None]:
+        """Feed every row's pending pairs in one pass (right-padded) and commit them."""
+        device = self.cache.keys[0].device
+        pairs = []
+        for seq in seqs:
+            start = self.cache.lengths[seq.row]
+            feats = self.pending.get(seq.row)
+            m = 0 if feats is None else feats.shape[0]
+            pairs.append((start, feats, seq.tokens[start + 1:start + 1 + m]))
+        width = max(len(t) for _, _, t in pairs)
+        if width == 0:
+            return [None] * len(seqs)
+        H = self.head.config.hidden_size
+        feats = torch.zeros(len(seqs), width, H, dtype=self.head.fc.weight.dtype, device=device)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        positions = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        for b, (start, f, t) in enumerate(pairs):
+            if t:
+                feats[b, :len(t)] = f
+                tokens[b, :len(t)] = torch.tensor(t)
+                tokens[b, len(t):] = t[-1]
+            positions[b] = torch.arange(start, start + width)
+        rows = [seq.row for seq in seqs]
+        if rows != list(range(len(seqs))):
+            raise ValueError("EAGLE expects the running sequences in rows 0..B-1")
+        pred = self.head(feats, tokens, positions, self.cache)  # [B, width, H]
+        roots = []
+        for b, (seq, (start, f, t)) in enumerate(zip(seqs, pairs)):
+            self.cache.advance(seq.row, len(t))
+            self.pending.pop(seq.row, None)
+            have_root = self.cache.lengths[seq.row] == len(seq.tokens) - 1 and self.cache.lengths[seq.row] > 0
+            roots.append(pred[b, len(t) - 1] if t and have_root else None)
+        return roots
+
+    def _logits_fn(self, seq, root: torch.Tensor):
+        """logits_of(parent nodes) for `_draft`: reruns the head over the nodes drafted so far."""
+        row, base = seq.row, len(seq.tokens) - 1  # the root's pair sits at position base - 1
+        vocab = self.vocab
+        state = {"pred": None}
+
+        def logits_of(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            if tokens:
+                feats_in = [root if p < 0 else state["pred"][p] for p in parents]
+                view = self.cache.row_view(row)
+                mask = ancestor_mask(parents)[1:, 1:][None]
+                pos = torch.tensor([[base - 1 + d for d in depths(parents)]], device=root.device)
+                state["pred"] = self.head(torch.stack(feats_in)[None], torch.tensor([tokens], device=root.device),
+                                          pos, view, mask=mask)[0]  # [N, H]
+            hidden = torch.stack([root if n < 0 else state["pred"][n] for n in nodes])
+            return self.head.full_logits(hidden, vocab)
+
+        return logits_of
+
+    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
+        for seq, h in zip(seqs, hidden):
+            self._add_pending(seq.row, h)
+
+    def release(self, row: int) -> None:
+        self.pending.pop(row, None)
+        self.cache.lengths[row] = 0
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
+        if src in self.pending:
+            self.pending[dst] = self.pending.pop(src)
+        else:
+            self.pending.pop(dst, None)
+
+
+def default_tree(depth: int) -> TreeShape:
+    """A small tree for CPUs (each node costs a target row): two guesses at each depth under the
+    first-ranked path, e.g. depth 3 -> [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1]]."""
+    choices = []
+    for d in range(1, depth + 1):
+        choices += [[0] * (d - 1) + [0], [0] * (d - 1) + [1]]
+    return TreeShape.from_choices(choices)
+
