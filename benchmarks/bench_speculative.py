@@ -4,7 +4,7 @@
 
 Configurations (all on the same loaded target, same prompts): plain decoding; draft model with fixed
 K = 1..8 and adaptive; prompt lookup (n-gram); a degraded draft (logits permuted) fixed and adaptive;
-and, with --transformers, Hugging Face transformers' plain and assisted generation with the same pair
+the shipped Medusa and EAGLE heads, chain and tree (static and EAGLE-2 dynamic); and, with --transformers, Hugging Face transformers' plain and assisted generation with the same pair
 (fp32, its best path on this CPU). Greedy and temperature 0.7. Prints a table, then one JSON line.
 """
 
@@ -22,7 +22,10 @@ from specdec import LLM, SamplingParams
 from specdec.engine import Engine
 from specdec.metrics import SpecMetrics
 from specdec.speculative.degraded import PermutedLogitsModel
+from specdec.heads.modules import load_heads, resolve_heads
+from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+from specdec.speculative.tree import DynamicTree
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -47,6 +50,8 @@ def load_prompts(tokenizer, n_humaneval: int, per_category: int) -> list[tuple[s
 
 
 def run_engine(engine: Engine, prompts, params: SamplingParams) -> tuple[float, SpecMetrics, list[list[int]]]:
+    # the heads never saw these prompts: they are trained on HumanEval 100+ and the second half of each
+    # Spec-Bench category (specdec.heads.train.prompt_split)
     """Sequential requests; returns decode seconds (prefill excluded), metrics, outputs."""
     total = SpecMetrics()
     outputs = []
@@ -102,8 +107,18 @@ def main() -> None:
     prompts = load_prompts(llm.tokenizer, args.humaneval, args.spec_bench)
     cats = set(args.categories.split(","))
     prompts = [p for p in prompts if p[0] == "humaneval" or p[0].split("/")[1] in cats]
+    if args.humaneval > 100 or args.spec_bench > 5:
+        raise SystemExit("--humaneval <= 100 and --spec-bench <= 5: the rest is the heads' training split")
     target, draft = llm.target, llm.draft_model
     bad_draft = PermutedLogitsModel(draft)
+    vocab = target.config.vocab_size
+    medusa = load_heads(resolve_heads(f"{TARGET}-medusa"), target, "medusa")
+    eagle = load_heads(resolve_heads(f"{TARGET}-eagle"), target, "eagle")
+
+    def heads_engine(method: str, k: int, tree=None):
+        proposer = MedusaProposer(medusa, vocab, tree) if method == "medusa" else \
+            EagleProposer(eagle, vocab, 1, 2048 + 64, tree)
+        return Engine(target, llm.tokenizer, proposer, k, max_model_len=2048)
 
     def configs():
         yield "plain", lambda: Engine(target, llm.tokenizer, None, 0, max_model_len=2048)
@@ -119,6 +134,13 @@ def main() -> None:
                                              max_model_len=2048)
         yield "degraded adaptive", lambda: Engine(target, llm.tokenizer, DraftModelProposer(bad_draft, 1, 2048), 5,
                                                   adaptive=True, max_model_len=2048)
+        for k in (1, 2, 3):
+            yield f"medusa K={k}", lambda k=k: heads_engine("medusa", k)
+        yield "medusa tree", lambda: heads_engine("medusa", 3, default_tree(3))
+        for k in (1, 2, 3, 4):
+            yield f"eagle K={k}", lambda k=k: heads_engine("eagle", k)
+        yield "eagle tree", lambda: heads_engine("eagle", 3, default_tree(3))
+        yield "eagle dynamic", lambda: heads_engine("eagle", 4, DynamicTree(top_k=2, beam=1))
 
     results = []
     print(f"{len(prompts)} prompts ({', '.join(sorted({p[0] for p in prompts}))}), {args.max_tokens} tokens each; "
@@ -131,7 +153,9 @@ def main() -> None:
         for name, make in configs():
             if wanted and name not in wanted and name != "plain":  # plain is always run: the baseline
                 continue
-            seconds, m, outs = run_engine(make(), prompts, params)
+            engine = make()
+            seconds, m, outs = run_engine(engine, prompts, params)
+            spec_memory = engine.proposer.memory_bytes if engine.proposer is not None else 0
             tps = m.emitted_tokens / seconds
             base_tps = base_tps or tps
             plain_out = plain_out or outs
@@ -143,10 +167,12 @@ def main() -> None:
                 "draft_share": round(m.draft_time / max(seconds, 1e-9), 3),
                 "drafts_per_pass": round(m.num_drafts / max(m.target_passes, 1), 3),
                 "exact": outs == plain_out if temp == 0 else None,
+                "draft_memory_mb": round(spec_memory / 2**20, 1),
             }
             results.append(row)
             print(f"T={temp:<4} {name:20} {tps:7.2f} tok/s  x{row['speedup']:<6} accept {row['acceptance_rate']:<6} "
                   f"len {row['mean_acceptance_length']:<6} draft-time {row['draft_share']:<6} "
+                  f"mem {row['draft_memory_mb']:>6} MB "
                   f"exact {row['exact']}  per-pos {row['per_position']}", flush=True)
         if args.transformers:
             for assisted in (False, True):

@@ -106,3 +106,33 @@ def plain_outputs(pair):
         assert len(out.token_ids) == 64
         outs.append(out.token_ids)
     return outs
+
+
+HEAD_CONFIGS = {  # name: (method, K, tree)
+    "medusa chain K=3": ("medusa", 3, None),
+    "medusa tree": ("medusa", 3, "default"),
+    "eagle chain K=4": ("eagle", 4, None),
+    "eagle dynamic tree": ("eagle", 4, "dynamic"),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_CONFIGS))
+def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
+    """The Medusa and EAGLE heads shipped for the default target, chain and tree: speculative == plain."""
+    from specdec.heads.modules import load_heads, resolve_heads
+    from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
+    from specdec.speculative.tree import DynamicTree
+
+    method, k, tree = HEAD_CONFIGS[name]
+    head = load_heads(resolve_heads(f"qwen2.5-coder-1.5b-instruct-{method}"), pair.target, method)
+    shape = {None: None, "default": default_tree(k), "dynamic": DynamicTree(2, 2)}[tree]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    accepted = 0
+    for ids, expected in zip(prompts(pair.tokenizer), plain_outputs):
+        vocab = pair.target.config.vocab_size
+        proposer = MedusaProposer(head, vocab, shape) if method == "medusa" else \
+            EagleProposer(head, vocab, 1, 1024 + 64, shape)
+        out = run(Engine(pair.target, pair.tokenizer, proposer, k, max_model_len=1024), ids, params)
+        assert out.token_ids == expected
+        accepted += out.metrics.num_accepted_tokens
+    assert accepted > 0

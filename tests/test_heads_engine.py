@@ -16,7 +16,7 @@ from specdec.engine import Engine
 from specdec.heads.modules import load_heads
 from specdec.heads.train import TrainConfig, train_heads
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
-from specdec.speculative.tree import TreeShape
+from specdec.speculative.tree import DynamicTree, TreeShape
 from test_engine_tiny import PROMPTS, run
 from test_heads import ByteTokenizer
 
@@ -29,6 +29,7 @@ TREES = {
     "chain": None,
     "default tree": "default",
     "wide tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0]],
+    "dynamic tree": DynamicTree(top_k=2, beam=2),
 }
 
 
@@ -69,7 +70,10 @@ def trained(tmp_path_factory):
 def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_size: int = 1) -> Engine:
     model = target(dtype_name)
     head = load_heads(trained(method), model, method)
-    shape = default_tree(k) if tree == "default" else (TreeShape.from_choices(tree) if tree else None)
+    if isinstance(tree, DynamicTree) or tree is None:
+        shape = tree
+    else:
+        shape = default_tree(k) if tree == "default" else TreeShape.from_choices(tree)
     vocab = model.config.vocab_size
     if method == "medusa":
         proposer = MedusaProposer(head, vocab, shape)
@@ -128,14 +132,15 @@ def test_batched_requests_joining_late_equal_their_plain_output(trained, method)
         assert finals[rid].token_ids == plain("bf16", prompt)
 
 
+@pytest.mark.parametrize("tree", ["default", "dynamic tree"])
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_seeded_tree_sampling_is_reproducible_and_batch_independent(trained, method):
+def test_seeded_tree_sampling_is_reproducible_and_batch_independent(trained, method, tree):
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     alone = []
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
-        engine = make_engine(trained, method, "fp32", 3, "default")
+        engine = make_engine(trained, method, "fp32", 3, TREES.get(tree, tree))
         alone.append(run(engine, [(f"r{i}", prompt, p)])[f"r{i}"].token_ids)
-    engine = make_engine(trained, method, "fp32", 3, "default", max_batch_size=3)
+    engine = make_engine(trained, method, "fp32", 3, TREES.get(tree, tree), max_batch_size=3)
     finals = run(engine, [(f"r{i}", prompt, p) for i, (prompt, p) in enumerate(zip(PROMPTS, params))],
                  join_at=[0, 2, 5])
     assert [finals[f"r{i}"].token_ids for i in range(3)] == alone

@@ -25,6 +25,7 @@ class Seq:
     row: int = 0
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0))
     generator: torch.Generator = field(default_factory=lambda: make_generator(0))
+    probing: bool = False
 
 
 # ------------------------------------------------------------------------------------------- n-gram
@@ -129,6 +130,51 @@ def test_draft_model_catches_up_after_steps_without_drafting(draft_model):
     seq.tokens.append(8)
     draft = proposer.propose([seq], [3])[0]
     assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 3)
+
+
+def test_a_probe_after_a_long_gap_feeds_the_draft_only_the_last_window(draft_model):
+    """A probe restarts the draft's row on the last `probe_window` tokens (at their true positions), so it
+    costs a short prefill, not one of everything decoded without the draft; it then drafts what the draft
+    says given that window, and later steps go on from there (rollback included)."""
+    fed = []
+    original = draft_model.forward
+
+    def counting(tokens, *args, **kwargs):
+        fed.append(tokens.shape[1])
+        return original(tokens, *args, **kwargs)
+
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 96, (40,), generator=gen).tolist()
+    proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, probe_window=8)
+    draft_model.forward = counting
+    try:
+        seq = Seq(list(tokens), probing=True)
+        draft = proposer.propose([seq], [1])[0]
+        assert sum(fed) == 8 + 1  # the window, then the last token (not 39 + 1)
+        assert proposer.skipped[0] == 39 - 8 and proposer.cache.lengths[0] == 9
+        cache = draft_model.new_cache(1, 64)  # what the draft says given the last 9 tokens at their positions
+        expected = original(torch.tensor([tokens[-9:]]), torch.arange(31, 40)[None], cache, num_logits=1)
+        assert draft.tokens == [int(expected[0, -1].argmax())]
+        proposer.observe([seq], [draft], [Verdict(1, 5)])  # accepted + bonus 5
+        seq.tokens += [draft.tokens[0], 5]
+        seq.probing = False
+        draft = proposer.propose([seq], [2])[0]
+        cache = draft_model.new_cache(1, 64)
+        ctx = seq.tokens[-11:]
+        out = []
+        for _ in range(2):
+            logits = original(torch.tensor([ctx]), torch.arange(31, 31 + len(ctx))[None], cache.__class__(
+                draft_model.config, 1, 64, draft_model.dtype), num_logits=1)
+            out.append(int(logits[0, -1].argmax()))
+            ctx = ctx + [out[-1]]
+        assert draft.tokens == out
+        # a sequence that is not probing gets the full catch-up
+        fed.clear()
+        full = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, probe_window=8)
+        full.propose([Seq(list(tokens))], [1])
+        assert sum(fed) == 39 + 1
+    finally:
+        draft_model.forward = original
 
 
 def test_draft_model_batch_rows_and_per_sequence_k(draft_model):

@@ -30,7 +30,7 @@ from specdec.outputs import RequestOutput
 from specdec.speculative.compat import check_draft_compatible
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
-from specdec.speculative.tree import TreeShape
+from specdec.speculative.tree import DynamicTree, TreeShape
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -163,12 +163,14 @@ class LLM:
             return None
         return load_heads(resolve_heads(spec.model), self.target, spec.method)
 
-    def _tree(self) -> TreeShape | None:
+    def _tree(self) -> TreeShape | DynamicTree | None:
         spec = self.spec
         if spec.tree is None:
             return None
         if spec.tree == "default":
             return default_tree(spec.num_speculative_tokens)
+        if spec.tree == "dynamic":
+            return DynamicTree(spec.tree_top_k, spec.tree_beam)
         return TreeShape.from_choices(spec.tree)
 
     def _build_proposer(self, max_num_seqs: int):
@@ -184,7 +186,8 @@ class LLM:
         if spec.method == "medusa":
             return MedusaProposer(self.heads, vocab, tree)
         if spec.method == "eagle":
-            nodes = len(tree.paths) if tree is not None else spec.num_speculative_tokens
+            k = spec.num_speculative_tokens
+            nodes = k if tree is None else tree.max_nodes(k) if isinstance(tree, DynamicTree) else len(tree.paths)
             return EagleProposer(self.heads, vocab, max_num_seqs, self.max_model_len + nodes + 1, tree)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 

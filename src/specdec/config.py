@@ -152,9 +152,12 @@ class SpeculativeConfig:
     draft_quantization: str = "auto"  # auto | none | int8 | int4
     draft_dtype: str | None = None
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this run (vLLM)
-    # medusa / eagle: a tree draft, as Medusa-style paths of child ranks ([[0], [1], [0, 0]]) or "default"
-    # (two guesses per depth); None: a chain of num_speculative_tokens
+    # medusa / eagle: a tree draft, as Medusa-style paths of child ranks ([[0], [1], [0, 0]]), "default"
+    # (two guesses per depth) or "dynamic" (EAGLE-2: expand the tree_beam best nodes of each depth with
+    # tree_top_k children); depth num_speculative_tokens. None: a chain of num_speculative_tokens
     tree: Any = None
+    tree_top_k: int = 2
+    tree_beam: int = 2
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -165,10 +168,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} needs a 'model'")
         if self.tree is not None and self.method not in ("medusa", "eagle"):
             raise ValueError(f"tree drafts need method medusa or eagle, not {self.method!r}")
-        if self.tree is not None and self.tree != "default" and not (
+        if self.tree is not None and self.tree not in ("default", "dynamic") and not (
             isinstance(self.tree, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in self.tree)
         ):
-            raise ValueError('tree must be "default" or a list of paths of child ranks, e.g. [[0], [1], [0, 0]]')
+            raise ValueError('tree must be "default", "dynamic" or a list of paths of child ranks, e.g. [[0], [1], [0, 0]]')
         if self.draft_quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"draft_quantization must be auto, none, int8 or int4, got {self.draft_quantization!r}")
 

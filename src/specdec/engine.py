@@ -49,6 +49,11 @@ class Sequence:
     stop_reason: str | int | None = None
 
     @property
+    def probing(self) -> bool:
+        """This step's draft is a probe after a stretch without speculation (a cheap one will do)."""
+        return self.estimate.probing
+
+    @property
     def num_output(self) -> int:
         return len(self.tokens) - len(self.prompt_ids)
 

@@ -29,6 +29,7 @@ class AcceptanceEstimate:
     rejections: float = 1.2
     steps_off: int = 0  # steps since speculation was turned off for this sequence
     probe_every: int = 0  # steps between probes while off (0: the controller's base interval)
+    probing: bool = False  # this step's draft is a probe (speculation is off otherwise)
 
     @classmethod
     def with_prior(cls, rate: float, weight: float = 3.0) -> "AcceptanceEstimate":
@@ -124,12 +125,13 @@ class AdaptiveK:
         ks = []
         for est in estimates:
             k = self.best_k(est.rate, len(estimates), costs)
+            est.probing = False
             if k == 0:
                 est.steps_off += 1
                 if est.steps_off >= (est.probe_every or self.probe_interval):  # probe: agreeing again?
                     est.steps_off = 0
                     est.probe_every = min(2 * (est.probe_every or self.probe_interval), self.max_probe_interval)
-                    k = 1
+                    k, est.probing = 1, True
             else:
                 est.steps_off, est.probe_every = 0, 0
             ks.append(k)

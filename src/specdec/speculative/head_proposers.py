@@ -14,7 +14,7 @@ import torch
 
 from specdec.sampling import process_logits
 from specdec.speculative.proposers import Draft
-from specdec.speculative.tree import TreeShape, ancestor_mask, depths
+from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 
 
 def pick_children(seq, full_logits: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
@@ -31,7 +31,7 @@ class _FeatureProposer:
 
     needs_hidden = True
 
-    def __init__(self, head, vocab_size: int, tree: TreeShape | None) -> None:
+    def __init__(self, head, vocab_size: int, tree: TreeShape | DynamicTree | None) -> None:
         self.head = head
         self.vocab = vocab_size  # the target's
         self.tree = tree
@@ -42,13 +42,44 @@ class _FeatureProposer:
 
         return head_bytes(self.head)
 
-    def _shape(self, k: int) -> TreeShape | None:
+    def _shape(self, k: int) -> TreeShape | tuple[DynamicTree, int] | None:
         """The tree (or chain) to draft with at most k tokens deep."""
         if k <= 0:
             return None
+        if isinstance(self.tree, DynamicTree):
+            return self.tree, k
         return self.tree.truncated(k) if self.tree is not None else TreeShape.chain(k)
 
-    def _draft(self, seq, shape: TreeShape, logits_of) -> Draft:
+    def _draft(self, seq, shape, logits_of) -> Draft:
+        if isinstance(shape, tuple):
+            return self._draft_dynamic(seq, *shape, logits_of)
+        return self._draft_static(seq, shape, logits_of)
+
+    def _draft_dynamic(self, seq, tree: DynamicTree, depth: int, logits_of) -> Draft:
+        """EAGLE-2: expand the `beam` best-scoring nodes of each depth with `top_k` children each."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        scores: list[float] = []
+        frontier = [-1]
+        for d in range(depth):
+            logits = logits_of(frontier, tokens, parents)  # [len(frontier), V]
+            new = []
+            for node, lg in zip(frontier, logits):
+                picked, dist = pick_children(seq, lg, tree.top_k)
+                logp = torch.log_softmax(lg.float(), -1) if dist is None else torch.log(dist)
+                base = 0.0 if node < 0 else scores[node]
+                for t in picked:
+                    new.append(len(tokens))
+                    tokens.append(t)
+                    parents.append(node)
+                    scores.append(base + float(logp[t]))
+                    if dist is not None:
+                        probs.append(dist)
+            frontier = sorted(new, key=lambda i: -scores[i])[: tree.beam]
+        return Draft(tokens, torch.stack(probs) if probs else None, parents)
+
+    def _draft_static(self, seq, shape: TreeShape, logits_of) -> Draft:
         """Grow `shape` depth by depth; `logits_of(parent_nodes)` gives the full-vocabulary draft logits
         [len, V] at those nodes (-1: the root)."""
         tokens: list[int] = []

@@ -40,6 +40,7 @@ class SequenceLike(Protocol):
     row: int  # cache row of the sequence in this batch
     params: "object"  # SamplingParams
     generator: torch.Generator
+    probing: bool  # the draft is a probe after a stretch without speculation: a cheap, rough one will do
 
 
 class Proposer(Protocol):
@@ -107,18 +108,31 @@ class NgramProposer(StatelessProposer):
 class DraftModelProposer:
     """A smaller model of the same family, with its own KV cache rolled back with the target's.
 
-    The draft cache holds the K/V of a prefix of each sequence; a proposal first feeds the tokens it
+    The draft cache holds the K/V of a stretch of each sequence; a proposal first feeds the tokens it
     lacks (usually 1; 2 after a fully accepted draft: the last drafted token and the bonus token; more
     after a stretch without speculation, fed as one prefill), then drafts one token per pass.
+
+    A probe (one drafted token after a stretch without speculation) would cost a prefill of everything
+    the draft missed, which is what made a draft that never agrees slower than plain decoding. So a
+    probe whose gap exceeds `probe_window` tokens restarts the draft's row on the last `probe_window`
+    tokens only (at their true positions); `skipped[row]` counts the tokens before them. The draft then
+    sees less context, which can only lower its acceptance, never change the output.
     """
 
     needs_hidden = False
 
-    def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512) -> None:
+    def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512,
+                 probe_window: int = 64) -> None:
         self.model = model
         self.cache = model.new_cache(max_batch_size, capacity)
         self.prefill_chunk = prefill_chunk
+        self.probe_window = probe_window
+        self.skipped: dict[int, int] = {}  # row -> leading tokens of the sequence not in the draft cache
         self._drafted_from: dict[int, int] = {}  # row -> len(seq.tokens) when this step's draft began
+
+    def _consumed(self, row: int) -> int:
+        """Tokens of the sequence in row `row` that the draft has seen (or skipped)."""
+        return self.skipped.get(row, 0) + self.cache.lengths[row]
 
     @property
     def memory_bytes(self) -> int:
@@ -129,8 +143,11 @@ class DraftModelProposer:
     def _catch_up(self, seq) -> None:
         """Feed all but the last missing tokens of `seq` (a prefill), so one or two remain to feed."""
         row, n = seq.row, len(seq.tokens)
-        start = self.cache.lengths[row]
+        start = self._consumed(row)
         end = n - 1
+        if getattr(seq, "probing", False) and end - start > self.probe_window:
+            start = end - self.probe_window  # restart the row on the last probe_window tokens
+            self.skipped[row], self.cache.lengths[row] = start, 0
         view = self.cache.row_view(row)
         while start < end:
             stop = min(end, start + self.prefill_chunk)
@@ -155,14 +172,14 @@ class DraftModelProposer:
             return [Draft([]) for _ in seqs]
         device = self.model.device
         for seq in seqs:
-            if len(seq.tokens) - self.cache.lengths[seq.row] > 2:
+            if len(seq.tokens) - self._consumed(seq.row) > 2:
                 self._catch_up(seq)
             self._drafted_from[seq.row] = len(seq.tokens)
         B = len(seqs)
-        pending = [seq.tokens[self.cache.lengths[seq.row]:] for seq in seqs]  # 1 or 2 tokens each
+        pending = [seq.tokens[self._consumed(seq.row):] for seq in seqs]  # 1 or 2 tokens each
         width = max(len(p) for p in pending)
         inputs = [p + [p[-1]] * (width - len(p)) for p in pending]  # right-pad; pads are never committed
-        positions = [[self.cache.lengths[s.row] + t for t in range(width)] for s in seqs]
+        positions = [[self._consumed(s.row) + t for t in range(width)] for s in seqs]
         last = [len(p) - 1 for p in pending]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -182,7 +199,7 @@ class DraftModelProposer:
                         probs[b].append(p)
             if step + 1 < k_max:
                 inputs = [[t[-1] if t else seq.tokens[-1]] for t, seq in zip(tokens, seqs)]
-                positions = [[self.cache.lengths[s.row]] for s in seqs]
+                positions = [[self._consumed(s.row)] for s in seqs]
                 last = [0] * B
         return [
             Draft(tokens[b][:ks[b]], torch.stack(probs[b][:ks[b]]) if probs[b] and ks[b] else None)
@@ -195,11 +212,13 @@ class DraftModelProposer:
         for seq, verdict in zip(seqs, verdicts):
             if seq.row not in self._drafted_from:  # the draft model did not run this step
                 continue
-            keep = self._drafted_from[seq.row] + verdict.num_accepted
+            keep = self._drafted_from[seq.row] + verdict.num_accepted - self.skipped.get(seq.row, 0)
             self.cache.truncate(seq.row, min(keep, self.cache.lengths[seq.row]))
 
     def release(self, row: int) -> None:
         self.cache.lengths[row] = 0
+        self.skipped.pop(row, None)
 
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
+        self.skipped[dst] = self.skipped.pop(src, 0)

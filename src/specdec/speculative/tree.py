@@ -60,6 +60,23 @@ class TreeShape:
         return TreeShape.from_choices([list(p) for p in self.paths if len(p) <= depth])
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree (Li et al. 2024): at each depth the `beam` nodes with the highest path
+    score (sum of the draft's log-probabilities) are expanded with `top_k` children each. Every drawn
+    child stays in the tree (pruning drawn siblings would bias tree rejection sampling)."""
+
+    top_k: int = 2
+    beam: int = 2
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.beam < 1:
+            raise ValueError("a dynamic tree needs top_k >= 1 and beam >= 1")
+
+    def max_nodes(self, depth: int) -> int:
+        return self.top_k + (depth - 1) * self.beam * self.top_k
+
+
 def depths(parents: list[int]) -> list[int]:
     """Depth of each node, 1 for children of the root."""
     out: list[int] = []
