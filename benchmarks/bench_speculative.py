@@ -116,8 +116,8 @@ def main() -> None:
     eagle = load_heads(resolve_heads(f"{TARGET}-eagle"), target, "eagle")
 
     def heads_engine(method: str, k: int, tree=None):
-        proposer = MedusaProposer(medusa, vocab, tree) if method == "medusa" else \
-            EagleProposer(eagle, vocab, 1, 2048 + 64, tree)
+        proposer = MedusaProposer(medusa, vocab, tree, max_depth=k) if method == "medusa" else \
+            EagleProposer(eagle, vocab, 1, 2048, tree, max_depth=k)
         return Engine(target, llm.tokenizer, proposer, k, max_model_len=2048)
 
     def configs():

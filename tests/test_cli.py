@@ -41,3 +41,33 @@ def test_bad_input_is_a_clear_error(tiny_gguf, capsys):
     assert "prompt is empty" in capsys.readouterr().err
     assert main(["generate", "no-such-model", "--prompt", "x"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_train_heads_then_generate_with_them(tiny_gguf, tmp_path, capsys):
+    """`specdec train-heads` on the tiny model, then `generate` with the heads (EAGLE, dynamic tree):
+    the same tokens as plain decoding; the memory report counts the heads; other targets are refused."""
+    out = tmp_path / "eagle"
+    assert main(["train-heads", tiny_gguf, "--method", "eagle", "--out", str(out), "--corpus-tokens", "600",
+                 "--self-distill-prompts", "0", "--seq-len", "32", "--epochs", "1", "--vocab-size", "64",
+                 "--quantization", "none", "--dtype", "float32"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["method"] == "eagle" and report["steps"] >= 1 and (out / "model.safetensors").is_file()
+
+    args = ["generate", tiny_gguf, "--prompt", "ab", "--max-tokens", "7", "--quantization", "none",
+            "--dtype", "float32", "--json", "--temperature", "0"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    config = json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": 3, "tree": "dynamic"})
+    assert main(args + ["--speculative-config", config]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["metrics"]["num_drafts"] >= 1
+
+    assert main(["generate", tiny_gguf, "--memory-report", "--quantization", "none", "--speculative-config",
+                 config]) == 0
+    assert "heads weights" in capsys.readouterr().out
+
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["target_fingerprint"] = "0" * 16  # as if trained for another target
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert main(args + ["--speculative-config", config]) == 2
+    assert "were trained for target" in capsys.readouterr().err

@@ -130,8 +130,8 @@ def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
     accepted = 0
     for ids, expected in zip(prompts(pair.tokenizer), plain_outputs):
         vocab = pair.target.config.vocab_size
-        proposer = MedusaProposer(head, vocab, shape) if method == "medusa" else \
-            EagleProposer(head, vocab, 1, 1024 + 64, shape)
+        proposer = MedusaProposer(head, vocab, shape, max_depth=k) if method == "medusa" else \
+            EagleProposer(head, vocab, 1, 1024, shape, max_depth=k)
         out = run(Engine(pair.target, pair.tokenizer, proposer, k, max_model_len=1024), ids, params)
         assert out.token_ids == expected
         accepted += out.metrics.num_accepted_tokens

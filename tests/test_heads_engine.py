@@ -67,7 +67,8 @@ def trained(tmp_path_factory):
     return lambda method: heads_dir(method, root)
 
 
-def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_size: int = 1) -> Engine:
+def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_size: int = 1,
+                max_len: int = MAX_LEN) -> Engine:
     model = target(dtype_name)
     head = load_heads(trained(method), model, method)
     if isinstance(tree, DynamicTree) or tree is None:
@@ -76,15 +77,15 @@ def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_s
         shape = default_tree(k) if tree == "default" else TreeShape.from_choices(tree)
     vocab = model.config.vocab_size
     if method == "medusa":
-        proposer = MedusaProposer(head, vocab, shape)
+        proposer = MedusaProposer(head, vocab, shape, max_depth=k)
     else:
-        proposer = EagleProposer(head, vocab, max_batch_size, MAX_LEN + 16, shape)
-    return Engine(model, FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=MAX_LEN,
+        proposer = EagleProposer(head, vocab, max_batch_size, max_len, shape, max_depth=k)
+    return Engine(model, FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=max_len,
                   max_batch_size=max_batch_size)
 
 
-def plain(dtype_name: str, prompt, params=GREEDY):
-    engine = Engine(target(dtype_name), FakeTokenizer(), max_model_len=MAX_LEN)
+def plain(dtype_name: str, prompt, params=GREEDY, max_len: int = MAX_LEN):
+    engine = Engine(target(dtype_name), FakeTokenizer(), max_model_len=max_len)
     return run(engine, [("r", prompt, params)])["r"].token_ids
 
 
@@ -145,3 +146,18 @@ def test_seeded_tree_sampling_is_reproducible_and_batch_independent(trained, met
                  join_at=[0, 2, 5])
     assert [finals[f"r{i}"].token_ids for i in range(3)] == alone
     assert len({tuple(a) for a in alone}) == 3
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_trees_run_to_the_very_end_of_the_context(trained, method):
+    """A wide tree near the end of the context (more nodes than tokens left), beside a long prompt that
+    joins late: no overflow, output exact, and it stops at the context length."""
+    max_len = 70
+    engine = make_engine(trained, method, "bf16", 3, TREES["wide tree"], max_batch_size=2, max_len=max_len)
+    long_prompt = tuple(range(5, 65))
+    short = SamplingParams(temperature=0, max_tokens=max_len - len(PROMPTS[0]), ignore_eos=True)
+    late = SamplingParams(temperature=0, max_tokens=max_len - len(long_prompt), ignore_eos=True)
+    finals = run(engine, [("a", PROMPTS[0], short), ("b", long_prompt, late)], join_at=[0, 50])
+    assert finals["a"].token_ids == plain("bf16", PROMPTS[0], short, max_len)
+    assert finals["b"].token_ids == plain("bf16", long_prompt, late, max_len)
+    assert len(PROMPTS[0]) + len(finals["a"].token_ids) == max_len

@@ -182,13 +182,11 @@ class LLM:
         if spec.method == "draft_model":
             return DraftModelProposer(self.draft_model, max_num_seqs, self.max_model_len)
         tree = self._tree()
-        vocab = self.target.config.vocab_size
+        vocab, k = self.target.config.vocab_size, spec.num_speculative_tokens
         if spec.method == "medusa":
-            return MedusaProposer(self.heads, vocab, tree)
+            return MedusaProposer(self.heads, vocab, tree, max_depth=k)
         if spec.method == "eagle":
-            k = spec.num_speculative_tokens
-            nodes = k if tree is None else tree.max_nodes(k) if isinstance(tree, DynamicTree) else len(tree.paths)
-            return EagleProposer(self.heads, vocab, max_num_seqs, self.max_model_len + nodes + 1, tree)
+            return EagleProposer(self.heads, vocab, max_num_seqs, self.max_model_len, tree, max_depth=k)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     # ----------------------------------------------------------------------------------- generation

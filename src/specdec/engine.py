@@ -87,8 +87,10 @@ class Engine:
         self.controller = AdaptiveK(k) if adaptive and k > 0 else FixedK(k)
         self.costs = CostModel()
         self.disable_by_batch_size = disable_by_batch_size
-        # + k: a row near the end of the context is padded to the batch's widest draft (never committed)
-        self.cache = target.new_cache(max_batch_size, max_model_len + k)
+        # + the widest draft (k tokens, or a tree's nodes): a row near the end of the context is padded to
+        # the batch's widest draft (never committed)
+        widest = max(k, getattr(proposer, "max_draft_tokens", 0)) if proposer is not None else 0
+        self.cache = target.new_cache(max_batch_size, max_model_len + widest)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

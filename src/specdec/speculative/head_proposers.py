@@ -31,16 +31,24 @@ class _FeatureProposer:
 
     needs_hidden = True
 
-    def __init__(self, head, vocab_size: int, tree: TreeShape | DynamicTree | None) -> None:
+    def __init__(self, head, vocab_size: int, tree: TreeShape | DynamicTree | None, max_depth: int) -> None:
         self.head = head
         self.vocab = vocab_size  # the target's
         self.tree = tree
+        self.max_depth = max_depth  # K: the engine never asks for deeper drafts
 
     @property
     def memory_bytes(self) -> int:
         from specdec.heads.modules import head_bytes
 
         return head_bytes(self.head)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens (tree nodes) one draft can hold, for `max_depth`."""
+        if isinstance(self.tree, DynamicTree):
+            return self.tree.max_nodes(self.max_depth)
+        return len(self.tree.paths) if self.tree is not None else self.max_depth
 
     def _shape(self, k: int) -> TreeShape | tuple[DynamicTree, int] | None:
         """The tree (or chain) to draft with at most k tokens deep."""
@@ -108,8 +116,8 @@ class MedusaProposer(_FeatureProposer):
     """Head d guesses the token d + 1 places after the last one, from the last committed token's feature.
     A node at depth d takes its children from head d, whatever its path."""
 
-    def __init__(self, head, vocab_size: int, tree: TreeShape | None = None) -> None:
-        super().__init__(head, vocab_size, tree)
+    def __init__(self, head, vocab_size: int, tree: TreeShape | DynamicTree | None = None, max_depth: int = 8) -> None:
+        super().__init__(head, vocab_size, tree, min(max_depth, head.config.num_heads))
         self.features: dict[int, torch.Tensor] = {}  # row -> [H] hidden state of the last committed token
 
     def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
@@ -147,9 +155,9 @@ class EagleProposer(_FeatureProposer):
     the head over all nodes so far with a tree mask (nodes never enter the head's cache)."""
 
     def __init__(self, head, vocab_size: int, max_batch_size: int, capacity: int,
-                 tree: TreeShape | None = None) -> None:
-        super().__init__(head, vocab_size, tree)
-        self.cache = head.new_cache(max_batch_size, capacity)
+                 tree: TreeShape | DynamicTree | None = None, max_depth: int = 8) -> None:
+        super().__init__(head, vocab_size, tree, max_depth)
+        self.cache = head.new_cache(max_batch_size, capacity + self.max_draft_tokens)
         self.pending: dict[int, torch.Tensor] = {}  # row -> [m, H] target features not yet paired
 
     @property
@@ -201,7 +209,15 @@ class EagleProposer(_FeatureProposer):
         rows = [seq.row for seq in seqs]
         if rows != list(range(len(seqs))):
             raise ValueError("EAGLE expects the running sequences in rows 0..B-1")
-        pred = self.head(feats, tokens, positions, self.cache)  # [B, width, H]
+        if max(start for start, _, _ in pairs) + width <= self.cache.capacity:
+            pred = self.head(feats, tokens, positions, self.cache)  # [B, width, H]
+        else:  # padding a row near the end of its context to the widest would overflow: one pass a row
+            pred = feats.new_zeros(feats.shape)
+            for b, (start, _, t) in enumerate(pairs):
+                if t:
+                    view = self.cache.row_view(b)
+                    pred[b, :len(t)] = self.head(feats[b:b + 1, :len(t)], tokens[b:b + 1, :len(t)],
+                                                 positions[b:b + 1, :len(t)], view)[0]
         roots = []
         for b, (seq, (start, f, t)) in enumerate(zip(seqs, pairs)):
             self.cache.advance(seq.row, len(t))
