@@ -506,19 +506,24 @@ def test_metrics_count_errors(client):
 # ---- concurrency, disconnects, shutdown -----------------------------------------------------------------
 
 
+async def streamed_chat_text(c: httpx.AsyncClient, content: str) -> str:
+    """Stream one chat completion and return its text (asserting a 200)."""
+    async with c.stream("POST", "/v1/chat/completions", json=chat_body(content, stream=True)) as r:
+        assert r.status_code == 200
+        text = ""
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                text += choices[0]["delta"].get("content", "") if choices else ""
+        return text
+
+
 def test_concurrent_streams_are_all_served_and_the_loop_stays_free():
     engine = FakeEngine(step_delay=0.02, tokens_per_step=2)  # queued one at a time, ~0.5 s per request
     with LiveServer(engine) as server:
 
         async def one(c: httpx.AsyncClient, i: int) -> str:
-            async with c.stream("POST", "/v1/chat/completions", json=chat_body(f"client {i}", stream=True)) as r:
-                assert r.status_code == 200
-                text = ""
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        choices = json.loads(line[6:])["choices"]
-                        text += choices[0]["delta"].get("content", "") if choices else ""
-                return text
+            return await streamed_chat_text(c, f"client {i}")
 
         async def health_latency(c: httpx.AsyncClient) -> float:
             await asyncio.sleep(0.3)
@@ -614,15 +619,7 @@ def test_full_queue_is_a_503_and_the_others_complete():
     engine = FakeEngine(step_delay=0.05, tokens_per_step=2)  # ~1 s per request
     with LiveServer(engine, max_waiting_requests=1) as server:
 
-        async def streamed(c: httpx.AsyncClient, content: str) -> str:
-            async with c.stream("POST", "/v1/chat/completions", json=chat_body(content, stream=True)) as r:
-                assert r.status_code == 200
-                text = ""
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        choices = json.loads(line[6:])["choices"]
-                        text += choices[0]["delta"].get("content", "") if choices else ""
-                return text
+        streamed = streamed_chat_text
 
         async def until(predicate) -> None:
             deadline = time.time() + 5
