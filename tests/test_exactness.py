@@ -114,6 +114,7 @@ HEAD_CONFIGS = {  # name: (method, K, tree)
     "eagle chain K=4": ("eagle", 4, None),
     "eagle dynamic tree": ("eagle", 4, "dynamic"),
 }
+HEAD_PROMPTS = 2  # of the 3: each tree node is a target row, which costs time on this CPU
 
 
 @pytest.mark.parametrize("name", list(HEAD_CONFIGS))
@@ -125,10 +126,10 @@ def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
 
     method, k, tree = HEAD_CONFIGS[name]
     head = load_heads(resolve_heads(f"qwen2.5-coder-1.5b-instruct-{method}"), pair.target, method)
-    shape = {None: None, "default": default_tree(k), "dynamic": DynamicTree(2, 2)}[tree]
+    shape = {None: None, "default": default_tree(k), "dynamic": DynamicTree(top_k=2, beam=1)}[tree]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     accepted = 0
-    for ids, expected in zip(prompts(pair.tokenizer), plain_outputs):
+    for ids, expected in list(zip(prompts(pair.tokenizer), plain_outputs))[:HEAD_PROMPTS]:
         vocab = pair.target.config.vocab_size
         proposer = MedusaProposer(head, vocab, shape, max_depth=k) if method == "medusa" else \
             EagleProposer(head, vocab, 1, 1024, shape, max_depth=k)

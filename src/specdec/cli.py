@@ -123,6 +123,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         corpus_tokens=args.corpus_tokens, self_distill_prompts=args.self_distill_prompts,
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
         num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        eagle_cls_weight=args.cls_weight,
         data_dir=Path(args.data_dir) if args.data_dir else DEFAULT_DATA,
     )
     report = train_heads(target, tokenizer, args.model, cfg)
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--epochs", type=int, default=4)
     heads.add_argument("--batch-size", type=int, default=4)
     heads.add_argument("--lr", type=float, default=1e-3)
+    heads.add_argument("--cls-weight", type=float, default=0.1, help="EAGLE: token loss weight (feature loss: 1)")
     heads.add_argument("--data-dir", help="the prompt sets (default ../shared/data)")
     heads.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     heads.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])

@@ -56,6 +56,7 @@ class TrainConfig:
     lr: float = 1e-3
     held_out: float = 0.08  # fraction of windows kept for the accuracy report
     checkpoint_every: int = 100
+    eagle_cls_weight: float = 0.1  # EAGLE: weight of the token loss beside the feature loss
     seed: int = 0
     data_dir: Path = DEFAULT_DATA
     prompts: tuple[tuple[int, ...], ...] | None = None  # self-distillation prompts instead of the data's train split
@@ -198,9 +199,9 @@ def medusa_losses(head: MedusaHeads, batch: dict, to_reduced: torch.Tensor) -> t
     return torch.stack(losses).mean(), hits
 
 
-def eagle_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, depth: int = 2):
-    """Smooth-L1 on the next feature + 0.1 x cross-entropy on the token after, at depth 1 and on the
-    head's own predicted features at depth 2; per depth (correct, counted) top-1."""
+def eagle_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, depth: int = 2, cls_weight: float = 0.1):
+    """Smooth-L1 on the next feature + cls_weight x cross-entropy on the token after, at depth 1 and on
+    the head's own predicted features at depth 2; per depth (correct, counted) top-1."""
     hidden, tokens, target_next = batch["hidden"], batch["tokens"], batch["target_next"]
     B, T, H = hidden.shape
     features = hidden[:, :-1]  # feature of token t
@@ -215,7 +216,7 @@ def eagle_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, depth: 
         reg = F.smooth_l1_loss(pred.float(), hidden[:, 1 + d:].float())
         cls = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), _reduced(labels, to_reduced).reshape(-1),
                               ignore_index=-100)
-        loss = loss + (reg + 0.1 * cls) / (d + 1)
+        loss = loss + (reg + cls_weight * cls) / (d + 1)
         hits.append(_top1(logits, labels, head.vocab_ids))
         features = pred[:, :-1]  # the next depth runs on the head's own predictions
     return loss, hits
@@ -301,7 +302,8 @@ def _train(target, target_name: str, cfg: TrainConfig, shards: list[Path], extra
         opt.load_state_dict(state["optimizer"])
         step, train_time = state["step"], state["train_time"]
         print(f"resuming from step {step} of {total_steps}")
-    losses_fn = medusa_losses if cfg.method == "medusa" else eagle_losses
+    losses_fn = medusa_losses if cfg.method == "medusa" else \
+        (lambda h, b, r: eagle_losses(h, b, r, cls_weight=cfg.eagle_cls_weight))
     initial = evaluate(head, eval_windows, to_reduced) if step == 0 else None
     bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.method}", unit="step")
     recent: list[float] = []
@@ -349,6 +351,8 @@ def _train(target, target_name: str, cfg: TrainConfig, shards: list[Path], extra
         "vocab_coverage_held_out": round(float((to_reduced[eval_labels] >= 0).float().mean()), 4),
         "steps": total_steps,
         "epochs": cfg.epochs,
+        "lr": cfg.lr,
+        **({"cls_weight": cfg.eagle_cls_weight} if cfg.method == "eagle" else {}),
         "batch_size": cfg.batch_size,
         "extract_time_s": round(extract_time, 1),
         "train_time_s": round(train_time, 1),
