@@ -122,7 +122,7 @@ class DraftModelProposer:
     needs_hidden = False
 
     def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512,
-                 probe_window: int = 64) -> None:
+                 probe_window: int = 16) -> None:
         self.model = model
         self.cache = model.new_cache(max_batch_size, capacity)
         self.prefill_chunk = prefill_chunk
