@@ -184,21 +184,20 @@ class Attention(nn.Module):
         """Attention of tree nodes, each over its own keys gathered into the layout of a chain.
 
         A node's keys are the committed prefix, then its ancestors and itself in depth order: the same
-        slots, in the same order, that decoding its path one token at a time would attend. Each query
-        is its own [G, S] matmul, as in a one-token decode step, so a node gets the bits it would get
-        there. q: [B, T, H, D]; keys, values: [B, KV, S, D]; mask, key_index: [B, T, S].
+        slots, in the same order, that decoding its path one token at a time would attend. Each node is
+        then computed by the very call a one-token decode step makes (batched matmuls over the nodes
+        took another kernel and rounded differently). q: [B, T, H, D]; keys, values: [B, KV, S, D];
+        mask, key_index: [B, T, S]. Returns [B, T, H, D].
         """
-        B, T, H, D = q.shape
-        KV, G = self.num_kv_heads, H // self.num_kv_heads
-        rows = torch.arange(B, device=q.device)[:, None, None]
-        keys = keys[rows, :, key_index].permute(0, 3, 1, 2, 4)  # [B, KV, T, S, D]
-        values = values[rows, :, key_index].permute(0, 3, 1, 2, 4)
-        qg = q.view(B, T, KV, G, D).permute(0, 2, 1, 3, 4)  # [B, KV, T, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (D ** -0.5)  # [B, KV, T, G, S]
-        scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values)  # [B, KV, T, G, D]
-        return out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D)
+        B, T = q.shape[:2]
+        rows = torch.arange(B, device=q.device)[:, None]
+        out = []
+        for t in range(T):
+            slots = key_index[:, t]  # [B, S]
+            k = keys[rows, :, slots].transpose(1, 2)  # [B, KV, S, D]
+            v = values[rows, :, slots].transpose(1, 2)
+            out.append(self._exact_attention(q[:, t:t + 1], k, v, mask[:, t:t + 1]))
+        return torch.cat(out, dim=1)
 
 
 class MLP(nn.Module):
