@@ -52,6 +52,7 @@ def load_model(
     config, state_dict, tokenizer = load_checkpoint(path, dtype, device)
     model = Transformer.from_state_dict(config, state_dict)
     quantize_linears(model, quantization)
+    model.requires_grad_(False)  # inference only: no autograd bookkeeping
     return model, tokenizer, path
 
 

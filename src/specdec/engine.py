@@ -138,6 +138,7 @@ class Engine:
         return max(0, len(self.waiting) - free)
 
     # ----------------------------------------------------------------------------------- the step
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()
         self._prefill()

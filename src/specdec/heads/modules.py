@@ -259,7 +259,7 @@ def load_heads(directory: str | Path, target, method: str | None = None) -> _Hea
     state = load_file(str(Path(directory) / "model.safetensors"))
     head.load_state_dict(state)
     dtype = target.dtype
-    return head.to(dtype=dtype).attach(target).eval()
+    return head.to(dtype=dtype).attach(target).requires_grad_(False).eval()
 
 
 def head_bytes(head: nn.Module) -> int:
