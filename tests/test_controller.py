@@ -91,8 +91,18 @@ def test_fixed_k():
     assert not FixedK(4).adaptive and AdaptiveK(4).adaptive
 
 
-def test_adaptive_speculates_to_measure_when_nothing_is_measured():
-    assert AdaptiveK(5).best_k(0.0, 1, CostModel()) == 5
+def test_adaptive_probes_to_measure_when_nothing_is_measured():
+    """No costs yet: a cheap probe (K = 1, marked as a probe so a draft model catches up on a short window)
+    rather than K_max, which would cost a full draft of a possibly useless draft; once a draft step and a
+    2-row pass are measured, a good draft gets the longest K (3-row+ passes not measured yet: the nearest)."""
+    est = AcceptanceEstimate()
+    assert AdaptiveK(5).choose([est], CostModel()) == [1] and est.probing
+    costs = CostModel()
+    costs.record_draft(1, 0.05)
+    costs.record_verify(1, 1.0)
+    costs.record_verify(2, 1.0)
+    est = AcceptanceEstimate.with_prior(0.9)
+    assert AdaptiveK(5).choose([est], costs) == [5] and not est.probing
 
 
 def test_adaptive_turns_off_when_acceptance_is_near_zero_and_drafting_costs():

@@ -5,7 +5,8 @@ tokens emits E(K) = (1 - a^(K+1)) / (1 - a) tokens on average and costs K * t_dr
 It picks the K in [0, K_max] with the most tokens per second, where a is estimated per sequence from its
 recent verdicts and the times are measured live (per batch size and rows verified). K = 0 is plain
 decoding; while K = 0 wins, the controller probes with K = 1 every `probe_interval` steps, so a draft
-that starts agreeing again is noticed.
+that starts agreeing again is noticed. Before anything is measured it probes too (K = 1): a cheap step
+that measures a draft forward and a 2-row verification (longer drafts are then tried from those costs).
 
 Example: a = 0.8, t_draft / t_verify = 0.1 -> E(5) = 3.69 tokens for 1.5 pass-times: 2.46 tokens per
 pass-time, better than K = 0 (1.0) or K = 8 (4.33 / 1.8 = 2.40).
@@ -112,7 +113,7 @@ class AdaptiveK:
         t_draft = costs.draft_time(batch_size)
         t_one = costs.verify_time(batch_size)
         if t_draft is None or t_one is None:
-            return self.k_max  # nothing measured yet: speculate, and measure
+            return -1  # nothing measured yet: see `choose`
         best_k, best_rate = 0, 1.0 / t_one
         for k in range(1, self.k_max + 1):
             t_verify = costs.verify_time(batch_size * (k + 1))
@@ -126,7 +127,9 @@ class AdaptiveK:
         for est in estimates:
             k = self.best_k(est.rate, len(estimates), costs)
             est.probing = False
-            if k == 0:
+            if k < 0:  # nothing measured yet: one cheap probe (K = 1) measures a draft step and a 2-row pass
+                k, est.probing = 1, True
+            elif k == 0:
                 est.steps_off += 1
                 if est.steps_off >= (est.probe_every or self.probe_interval):  # probe: agreeing again?
                     est.steps_off = 0
