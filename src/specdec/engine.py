@@ -162,14 +162,15 @@ class Engine:
             self.proposer.observe(seqs, drafts, verdicts, kept_hidden)
 
         self._record_costs(seqs, drafts, t1 - t0, t2 - t1, max(ks))
+        decay = getattr(self.controller, "decay", 1.0)
         for seq, draft, verdict in zip(seqs, drafts, verdicts):
             new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
-            seq.metrics.record_step(draft.depth, verdict.num_accepted, len(new_ids))
+            depth = draft.depth
+            seq.metrics.record_step(depth, verdict.num_accepted, len(new_ids))
             seq.metrics.draft_time += (t1 - t0) / len(seqs)
             seq.metrics.target_time += (t2 - t1) / len(seqs)
-            decay = getattr(self.controller, "decay", 1.0)
-            seq.estimate.update(draft.depth, verdict.num_accepted, decay)
-            self.acceptance.update(draft.depth, verdict.num_accepted, decay)
+            seq.estimate.update(depth, verdict.num_accepted, decay)
+            self.acceptance.update(depth, verdict.num_accepted, decay)
             outputs.append(self._output(seq, new_ids))
         self._retire_finished()
         return outputs

@@ -243,12 +243,14 @@ def _collate(windows: list[dict]) -> dict:
 
 def evaluate(head, windows: list[dict], to_reduced: torch.Tensor) -> list[float]:
     losses = medusa_losses if isinstance(head, MedusaHeads) else eagle_losses
-    totals: list[list[int]] = []
+    correct: list[int] = []
+    counted: list[int] = []
     with torch.no_grad():
         for w in windows:
             _, hits = losses(head, _collate([w]), to_reduced)
-            totals = [[a + c, b + n] for (a, b), (c, n) in zip(totals or [[0, 0]] * len(hits), hits)]
-    return [round(c / max(n, 1), 4) for c, n in totals]
+            correct = [a + c for a, (c, _) in zip(correct or [0] * len(hits), hits)]
+            counted = [a + n for a, (_, n) in zip(counted or [0] * len(hits), hits)]
+    return [round(c / max(n, 1), 4) for c, n in zip(correct, counted)]
 
 
 def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:

@@ -10,6 +10,8 @@ which is what tree rejection sampling needs to stay exact.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from specdec.sampling import process_logits
@@ -132,9 +134,14 @@ class MedusaProposer(_FeatureProposer):
                 drafts.append(Draft([]))
                 continue
             logits = self.head.expand(self.head(self.features[seq.row]), self.vocab)  # [heads, V]
-            drafts.append(self._draft(seq, shape, lambda nodes, tokens, parents: logits[
-                [0 if n < 0 else depths(parents)[n] for n in nodes]]))
+            drafts.append(self._draft(seq, shape, partial(self._head_logits, logits)))
         return drafts
+
+    @staticmethod
+    def _head_logits(logits: torch.Tensor, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """A node at depth d (the root: 0) takes its children from head d: rows of logits [heads, V]."""
+        node_depths = depths(parents)
+        return logits[[0 if n < 0 else node_depths[n] for n in nodes]]
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         for seq, h in zip(seqs, hidden):

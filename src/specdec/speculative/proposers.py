@@ -15,6 +15,7 @@ import torch
 
 from specdec.sampling import process_logits, sample
 from specdec.speculative.acceptance import Verdict
+from specdec.speculative.tree import depths
 
 
 @dataclass
@@ -26,11 +27,7 @@ class Draft:
     @property
     def depth(self) -> int:
         """The most drafted tokens one pass can accept."""
-        if self.parents is None:
-            return len(self.tokens)
-        from specdec.speculative.tree import depths
-
-        return max(depths(self.parents), default=0)
+        return len(self.tokens) if self.parents is None else max(depths(self.parents), default=0)
 
 
 class SequenceLike(Protocol):
@@ -145,7 +142,7 @@ class DraftModelProposer:
         row, n = seq.row, len(seq.tokens)
         start = self._consumed(row)
         end = n - 1
-        if getattr(seq, "probing", False) and end - start > self.probe_window:
+        if seq.probing and end - start > self.probe_window:
             start = end - self.probe_window  # restart the row on the last probe_window tokens
             self.skipped[row], self.cache.lengths[row] = start, 0
         view = self.cache.row_view(row)
