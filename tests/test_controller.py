@@ -62,17 +62,30 @@ def test_acceptance_estimate():
     assert est.rate < 0.01
 
 
-def test_cost_model_smoothing_and_nearest_lookup():
+def test_cost_model_smoothing_and_estimates_between_and_beyond_measured_sizes():
     costs = CostModel(smoothing=0.5)
     assert costs.draft_time(1) is None and costs.verify_time(1) is None
     costs.record_draft(1, 2.0)
     costs.record_draft(1, 4.0)
     assert costs.draft_time(1) == pytest.approx(3.0)
-    costs.record_verify(1, 10.0)
-    costs.record_verify(6, 12.0)
-    assert costs.verify_time(1) == 10.0 and costs.verify_time(6) == 12.0
-    assert costs.verify_time(5) == 12.0 and costs.verify_time(2) == 10.0  # nearest measured row count
-    assert costs.draft_time(4) == pytest.approx(3.0)
+    # one measurement: + prior_slope (0.5) of it per its size, between flat and proportional
+    assert costs.draft_time(2) == pytest.approx(4.5) and costs.draft_time(4) == pytest.approx(7.5)
+    costs.record_verify(2, 10.0)
+    assert costs.verify_time(1) == pytest.approx(7.5) and costs.verify_time(6) == pytest.approx(20.0)
+    costs.record_verify(1, 9.0)
+    costs.record_verify(6, 13.0)
+    assert costs.verify_time(1) == 9.0 and costs.verify_time(6) == 13.0  # measured
+    assert costs.verify_time(4) == pytest.approx(11.5)  # between 2 (10.0) and 6 (13.0)
+    assert costs.verify_time(10) == pytest.approx(16.0)  # beyond: the line through 2 and 6, 0.75 per row
+    costs = CostModel()
+    costs.record_verify(4, 4.0)
+    costs.record_verify(8, 4.0)
+    assert costs.verify_time(12) == 4.0 and costs.verify_time(2) == 4.0  # flat: more rows never cost less
+    costs = CostModel()
+    costs.record_verify(4, 1.0)
+    costs.record_verify(8, 7.2)  # noise: a steep line (1.55 per row), kept within proportional scaling
+    assert costs.verify_time(16) == pytest.approx(14.4)  # not 7.2 + 1.55 * 8 = 19.6
+    assert costs.verify_time(1) == pytest.approx(0.25)  # not 1.0 - 1.55 * 3 < 0
 
 
 # ------------------------------------------------------------------------------------------- fixed and adaptive K
@@ -92,30 +105,29 @@ def test_fixed_k():
 
 
 def test_adaptive_probes_to_measure_when_nothing_is_measured():
-    """No costs yet: a cheap probe (K = 1, marked as a probe so a draft model catches up on a short window)
-    rather than K_max, which would cost a full draft of a possibly useless draft; once a draft step and a
-    2-row pass are measured, a good draft gets the longest K (3-row+ passes not measured yet: the nearest)."""
-    est = AcceptanceEstimate()
-    assert AdaptiveK(5).choose([est], CostModel()) == [1] and est.probing
+    """No costs yet: a cheap probe (K = 1) rather than K_max, which would cost a full draft of a possibly
+    useless draft; once a draft step and 1- and 2-row passes are measured, a good draft gets the longest K
+    (longer passes estimated along the line through those two)."""
+    ctl = AdaptiveK(5)
+    assert ctl.choose([AcceptanceEstimate()], CostModel()) == [1] and ctl.probing
     costs = CostModel()
     costs.record_draft(1, 0.05)
     costs.record_verify(1, 1.0)
-    costs.record_verify(2, 1.0)
-    est = AcceptanceEstimate.with_prior(0.9)
-    assert AdaptiveK(5).choose([est], costs) == [5] and not est.probing
+    costs.record_verify(2, 1.05)
+    assert ctl.choose([AcceptanceEstimate.with_prior(0.9)], costs) == [5] and not ctl.probing
 
 
 def test_adaptive_turns_off_when_acceptance_is_near_zero_and_drafting_costs():
     # a draft forward costs half a target pass; acceptance ~0: every K > 0 loses to plain decoding
     costs = costs_with(draft=0.5, verify=1.0)
     for a in (0.0, 0.02, 0.1):
-        assert AdaptiveK(8).best_k(a, 1, costs) == 0
+        assert AdaptiveK(8).best_k([a], costs) == 0
 
 
 def test_adaptive_takes_k_max_when_acceptance_is_high_and_drafting_cheap():
     costs = costs_with(draft=0.01, verify=1.0)
     for a in (0.95, 0.99, 1.0):
-        assert AdaptiveK(8).best_k(a, 1, costs) == 8
+        assert AdaptiveK(8).best_k([a], costs) == 8
 
 
 def test_adaptive_picks_the_rate_maximising_k():
@@ -123,12 +135,15 @@ def test_adaptive_picks_the_rate_maximising_k():
     costs = costs_with(draft=0.1, verify=1.0)
     rates = {k: expected_tokens(0.8, k) / (1 + 0.1 * k) for k in range(1, 9)}
     assert max(rates, key=rates.get) == 6
-    assert AdaptiveK(8).best_k(0.8, 1, costs) == 6
-    assert AdaptiveK(4).best_k(0.8, 1, costs) == 4  # capped by K_max
+    assert AdaptiveK(8).best_k([0.8], costs) == 6
+    assert AdaptiveK(4).best_k([0.8], costs) == 4  # capped by K_max
     # verification that grows with rows shortens the best K: t_verify(r) = 1 + 0.2 (r - 1)
     costs = costs_with(draft=0.1, verify={r: 1 + 0.2 * (r - 1) for r in range(1, 10)})
     rates = {k: expected_tokens(0.8, k) / (0.1 * k + 1 + 0.2 * k) for k in range(1, 9)}
-    assert AdaptiveK(8).best_k(0.8, 1, costs) == max(rates, key=rates.get) == 3
+    assert AdaptiveK(8).best_k([0.8], costs) == max(rates, key=rates.get) == 3
+    # the same, estimated from 1- and 2-row passes only (the line through them)
+    costs = costs_with(draft=0.1, verify={1: 1.0, 2: 1.2})
+    assert AdaptiveK(8).best_k([0.8], costs) == 3
 
 
 def test_adaptive_uses_the_batch_size_costs():
@@ -136,17 +151,34 @@ def test_adaptive_uses_the_batch_size_costs():
     costs = costs_with(draft=0.01, verify=1.0, batch_size=1)
     costs.record_draft(2, 1.0)
     ctl = AdaptiveK(4)
-    assert ctl.best_k(0.7, 1, costs) == 4
-    assert ctl.best_k(0.7, 2, costs) == 0
+    assert ctl.best_k([0.7], costs) == 4
+    assert ctl.best_k([0.7, 0.7], costs) == 0
+
+
+def test_adaptive_chooses_one_k_for_the_batch_from_all_its_rates():
+    """Rows are padded to the widest draft, so K is the batch's: the one with the most expected tokens of
+    all rows per second. One good sequence carries a batch of poor ones only if its gain outweighs theirs."""
+    costs = costs_with(draft=0.1, verify={r: 1 + 0.1 * (r - 1) for r in range(1, 40)})
+    ctl = AdaptiveK(5, probe_interval=100)
+    good, bad = AcceptanceEstimate(accepted=99.0, rejections=1.0), AcceptanceEstimate(accepted=0.0, rejections=9.0)
+    k = ctl.choose([good, bad], costs)[0]
+    assert ctl.choose([good, bad], costs) == [k, k] and k > 0
+    rates = {k: sum(expected_tokens(e.rate, k) for e in (good, bad)) / (0.1 * k + 1 + 0.1 * (2 * (k + 1) - 1))
+             for k in range(1, 6)}
+    assert k == max(rates, key=rates.get) and rates[k] > 2 / 1.1
+    assert ctl.choose([good] + [bad] * 5, costs) == [0] * 6
 
 
 def test_adaptive_probes_while_off_with_a_doubling_interval():
     ctl = AdaptiveK(6, probe_interval=5, max_probe_interval=20)
     costs = costs_with(draft=0.5, verify=1.0)
     est = AcceptanceEstimate(accepted=0.0, rejections=10.0)
-    ks = [ctl.choose([est], costs)[0] for _ in range(75)]
+    ks, probing = [], []
+    for _ in range(75):
+        ks.append(ctl.choose([est], costs)[0])
+        probing.append(ctl.probing)
     probes = [i + 1 for i, k in enumerate(ks) if k]
-    assert set(ks) == {0, 1}
+    assert set(ks) == {0, 1} and [i + 1 for i, p in enumerate(probing) if p] == probes
     assert probes == [5, 15, 35, 55, 75]  # after 5, 10, 20, then at most 20 steps
     # a probe that is accepted raises the estimate; once drafting wins again the controller speculates
     cheap = costs_with(draft=0.01, verify=1.0)
@@ -154,14 +186,21 @@ def test_adaptive_probes_while_off_with_a_doubling_interval():
     assert ctl.choose([est], cheap) == [0]
     for _ in range(10):
         est.update(num_drafted=1, num_accepted=1, decay=ctl.decay)
-    assert ctl.choose([est], cheap)[0] > 0 and est.steps_off == 0
+    assert ctl.choose([est], cheap)[0] > 0 and not ctl.probing
+    assert (ctl.steps_off, ctl.probe_every) == (0, 5)
 
 
-def test_adaptive_chooses_per_sequence():
-    ctl = AdaptiveK(5, probe_interval=100)
-    costs = costs_with(draft=0.05, verify=1.0, batch_size=2)
-    good, bad = AcceptanceEstimate(accepted=99.0, rejections=1.0), AcceptanceEstimate(accepted=0.0, rejections=9.0)
-    assert ctl.choose([good, bad], costs) == [5, 0]
+def test_adaptive_does_not_probe_where_speculation_cannot_pay():
+    """At a batch size where even acceptance `probe_rate` would not beat plain decoding (verification
+    costs in proportion to rows, drafting is not free), probing could find nothing: it never happens."""
+    ctl = AdaptiveK(5, probe_interval=2)
+    costs = costs_with(draft=0.2, verify={r: 0.1 * r for r in range(8, 60)}, batch_size=8)
+    ests = [AcceptanceEstimate(accepted=0.0, rejections=10.0) for _ in range(8)]
+    assert all(ctl.choose(ests, costs) == [0] * 8 for _ in range(50)) and ctl.best_k([0.9] * 8, costs) == 0
+    # where verification is nearly free, the same batch is probed (K = 1 every 2, 4, 8, ... steps)
+    cheap = costs_with(draft=0.05, verify={r: 1 + 0.01 * r for r in range(8, 60)}, batch_size=8)
+    ctl = AdaptiveK(5, probe_interval=2)
+    assert [i + 1 for i in range(20) if ctl.choose(ests, cheap) == [1] * 8] == [2, 6, 14]
 
 
 # ------------------------------------------------------------------------------------------- engine, degraded draft

@@ -13,6 +13,7 @@ from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.speculative.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
@@ -47,7 +48,9 @@ def draft(dtype_name: str, kind: str):
 def make_proposer(dtype_name: str, kind: str, max_batch_size: int = 1):
     if kind == "ngram":
         return NgramProposer(max_n=3)
-    return DraftModelProposer(draft(dtype_name, kind), max_batch_size, MAX_LEN)
+    # the target drafting for itself must agree on every token: it may never restart on a short window
+    window = MAX_LEN if kind == "self" else 16
+    return DraftModelProposer(draft(dtype_name, kind), max_batch_size, MAX_LEN, window=window)
 
 
 def run(engine: Engine, requests, join_at=None, on_step=None):
@@ -427,6 +430,56 @@ def test_prefill_time_sums_the_chunks():
     out = generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert out.metrics.prefill_time == 3.0 and engine.metrics.prefill_time == 3.0
     assert tuple(out.token_ids) == plain("fp32", PROMPTS[0])[:5]
+
+
+def widths_fed(model):
+    """Wrap `model.forward` to record the number of tokens of each call; returns the list (and the original)."""
+    fed, original = [], model.forward
+
+    def counting(tokens, *args, **kwargs):
+        fed.append(tokens.shape[1])
+        return original(tokens, *args, **kwargs)
+
+    model.forward = counting
+    return fed, original
+
+
+def test_the_draft_reads_the_prompt_at_prefill_while_speculating():
+    """With speculation on, the engine feeds the draft model each prompt chunk it feeds the target (so the
+    draft sees the whole prompt, not a short window, and a join does not stall the next draft step);
+    counted as draft time. A prompt longer than the draft's window gives drafts made with its whole context:
+    the target drafting for itself (window 4) then agrees on every token."""
+    prompt = tuple(range(30, 60))
+    drafter = varied_model(seed=0, dtype=torch.float32)  # the target's weights, another module
+    fed, original = widths_fed(drafter)
+    try:
+        engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(drafter, 1, MAX_LEN, prefill_chunk=8,
+                        window=4), 3, max_model_len=MAX_LEN, prefill_chunk=12)
+        out = generate(engine, prompt, GREEDY)
+    finally:
+        drafter.forward = original
+    assert fed[:6] == [8, 4, 8, 4, 5, 1]  # chunks of 12, 12, 5 prompt tokens (draft chunks of 8), then drafting
+    assert tuple(out.token_ids) == plain("fp32", prompt)
+    assert out.metrics.num_accepted_tokens == out.metrics.num_draft_tokens > 0
+    assert out.metrics.draft_time > 0
+
+
+def test_the_draft_skips_prompts_joining_while_speculation_is_off():
+    """An adaptive engine whose draft never agrees stops speculating; a prompt joining then is not fed to
+    the draft (a probe restarts on a short window instead), and the output stays exact."""
+    degraded = PermutedLogitsModel(varied_model(seed=0, dtype=torch.float32), seed=1)
+    engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4), 4,
+                    adaptive=True, max_model_len=MAX_LEN)
+    generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    assert not engine._speculating
+    prompt = tuple(range(30, 60))
+    fed, original = widths_fed(degraded.inner)
+    try:
+        out = generate(engine, prompt, GREEDY)
+    finally:
+        degraded.inner.forward = original
+    assert max(fed, default=0) <= 4 + 1  # never the 29-token prompt: at most a window (+ the last token)
+    assert tuple(out.token_ids) == plain("fp32", prompt)
 
 
 def test_prefill_chunk_must_be_positive():

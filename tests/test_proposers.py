@@ -25,7 +25,6 @@ class Seq:
     row: int = 0
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0))
     generator: torch.Generator = field(default_factory=lambda: make_generator(0))
-    probing: bool = False
 
 
 # ------------------------------------------------------------------------------------------- n-gram
@@ -132,10 +131,11 @@ def test_draft_model_catches_up_after_steps_without_drafting(draft_model):
     assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 3)
 
 
-def test_a_probe_after_a_long_gap_feeds_the_draft_only_the_last_window(draft_model):
-    """A probe restarts the draft's row on the last `probe_window` tokens (at their true positions), so it
-    costs a short prefill, not one of everything decoded without the draft; it then drafts what the draft
-    says given that window, and later steps go on from there (rollback included)."""
+def test_a_row_far_behind_restarts_on_the_last_window(draft_model):
+    """A row more than `window` tokens behind restarts on the last `window` tokens (at their true
+    positions), so it costs a short prefill, not one of everything decoded without the draft; it then
+    drafts what the draft says given that window, and later steps go on from there (rollback included).
+    A row at most `window` behind is fed all it lacks."""
     fed = []
     original = draft_model.forward
 
@@ -143,38 +143,61 @@ def test_a_probe_after_a_long_gap_feeds_the_draft_only_the_last_window(draft_mod
         fed.append(tokens.shape[1])
         return original(tokens, *args, **kwargs)
 
+    def continuation(context, start, k):
+        """What the draft says after `context` placed at positions start.., fresh cache."""
+        cache = draft_model.new_cache(1, 64)
+        logits = original(torch.tensor([context]), torch.arange(start, start + len(context))[None], cache)
+        out = [int(logits[0, -1].argmax())]
+        cache.advance(0, len(context))
+        for i in range(k - 1):
+            logits = original(torch.tensor([[out[-1]]]), torch.tensor([[start + len(context) + i]]), cache)
+            cache.advance(0, 1)
+            out.append(int(logits[0, -1].argmax()))
+        return out
+
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 96, (40,), generator=gen).tolist()
-    proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, probe_window=8)
+    proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, window=8)
     draft_model.forward = counting
     try:
-        seq = Seq(list(tokens), probing=True)
+        seq = Seq(list(tokens))
         draft = proposer.propose([seq], [1])[0]
-        assert sum(fed) == 8 + 1  # the window, then the last token (not 39 + 1)
+        assert fed == [8 + 1]  # the window and the last token, in one forward (not 40)
         assert proposer.skipped[0] == 39 - 8 and proposer.cache.lengths[0] == 9
-        cache = draft_model.new_cache(1, 64)  # what the draft says given the last 9 tokens at their positions
-        expected = original(torch.tensor([tokens[-9:]]), torch.arange(31, 40)[None], cache, num_logits=1)
-        assert draft.tokens == [int(expected[0, -1].argmax())]
+        assert proposer.forward_seconds is None  # a catch-up forward is not the cost of a drafting step
+        assert draft.tokens == continuation(tokens[-9:], 31, 1)
         proposer.observe([seq], [draft], [Verdict(1, 5)])  # accepted + bonus 5
         seq.tokens += [draft.tokens[0], 5]
-        seq.probing = False
-        draft = proposer.propose([seq], [2])[0]
-        cache = draft_model.new_cache(1, 64)
-        ctx = seq.tokens[-11:]
-        out = []
-        for _ in range(2):
-            logits = original(torch.tensor([ctx]), torch.arange(31, 31 + len(ctx))[None], cache.__class__(
-                draft_model.config, 1, 64, draft_model.dtype), num_logits=1)
-            out.append(int(logits[0, -1].argmax()))
-            ctx = ctx + [out[-1]]
-        assert draft.tokens == out
-        # a sequence that is not probing gets the full catch-up
         fed.clear()
-        full = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, probe_window=8)
-        full.propose([Seq(list(tokens))], [1])
-        assert sum(fed) == 39 + 1
+        draft = proposer.propose([seq], [2])[0]
+        assert fed == [2, 1] and proposer.forward_seconds > 0
+        assert draft.tokens == continuation(seq.tokens[-11:], 31, 2)
+        # 8 tokens decoded without the draft (<= window): all fed, in the first forward
+        proposer.observe([seq], [draft], [Verdict(0, 6)])
+        seq.tokens += [6] + tokens[:7]
+        fed.clear()
+        draft = proposer.propose([seq], [1])[0]
+        assert fed == [8] and proposer.skipped[0] == 31
+        assert draft.tokens == continuation(seq.tokens[31:], 31, 1)
     finally:
         draft_model.forward = original
+
+
+def test_draft_model_reads_the_prompt_at_prefill(draft_model):
+    """`prefill` feeds the chunks the target is fed; the first proposal then feeds only the last prompt
+    token. A row that missed a chunk ignores later ones (it catches up at its first proposal)."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4]
+    proposer = DraftModelProposer(draft_model, max_batch_size=2, capacity=64, prefill_chunk=5, window=4)
+    seq = Seq(list(prompt), row=1)
+    proposer.prefill(seq, 0, 10)
+    proposer.prefill(seq, 10, len(prompt) - 1)
+    assert proposer.cache.lengths[1] == len(prompt) - 1 and proposer.skipped.get(1, 0) == 0
+    draft = proposer.propose([Seq([0]), seq], [1, 3])[1]
+    assert draft.tokens == greedy_continuation(draft_model, prompt, 3)  # the whole prompt as context
+    other = Seq(list(prompt), row=0)
+    proposer.release(0)
+    proposer.prefill(other, 10, 20)  # the row is not at 10: nothing fed
+    assert proposer.cache.lengths[0] == 0
 
 
 def test_draft_model_batch_rows_and_per_sequence_k(draft_model):

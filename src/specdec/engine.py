@@ -49,11 +49,6 @@ class Sequence:
     stop_reason: str | int | None = None
 
     @property
-    def probing(self) -> bool:
-        """This step's draft is a probe after a stretch without speculation (a cheap one will do)."""
-        return self.estimate.probing
-
-    @property
     def num_output(self) -> int:
         return len(self.tokens) - len(self.prompt_ids)
 
@@ -100,6 +95,7 @@ class Engine:
         self._aborted: set[str] = set()
         self._sync = target.device.type == "cuda"
         self._needs_hidden = bool(getattr(proposer, "needs_hidden", False))
+        self._speculating = k > 0  # the last step drafted (not as a probe): joining prompts go to the draft too
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -122,7 +118,6 @@ class Engine:
             estimate=AcceptanceEstimate.with_prior(self.acceptance.rate),
         )
         seq.metrics.prompt_tokens = n
-        seq.estimate.probe_every = self.acceptance.probe_every  # a draft that kept losing is probed rarely
         self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -146,6 +141,7 @@ class Engine:
             return outputs
         seqs = self.running
         ks = self._choose_k(seqs)
+        self._speculating = max(ks) > 0 and not self.controller.probing
 
         t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, ks) if self.proposer is not None and max(ks) > 0 else \
@@ -237,7 +233,10 @@ class Engine:
     def _record_costs(self, seqs, drafts, draft_time: float, target_time: float, k_max: int) -> None:
         B = len(seqs)
         if k_max > 0 and self.proposer is not None:
-            self.costs.record_draft(B, draft_time / k_max)
+            # a draft model times its drafting forwards itself (catching up on skipped tokens is no step cost)
+            per_forward = getattr(self.proposer, "forward_seconds", draft_time / k_max)
+            if per_forward is not None:
+                self.costs.record_draft(B, per_forward)
         width = 1 + max(len(d.tokens) for d in drafts)
         self.costs.record_verify(B * width, target_time)
 
@@ -335,7 +334,11 @@ class Engine:
         if self._needs_hidden:  # proposers on the target's features (Medusa, EAGLE) see the prompt's
             self.proposer.observe_prefill(seq, out[1][0])
         self.cache.advance(seq.row, stop - start)
-        seq.metrics.prefill_time += self._now() - t0
+        t1 = self._now()
+        seq.metrics.prefill_time += t1 - t0
+        if self._speculating and hasattr(self.proposer, "prefill"):  # a draft model reads the prompt too
+            self.proposer.prefill(seq, start, stop)
+            seq.metrics.draft_time += self._now() - t1
         return stop - start
 
     def _retire_finished(self) -> None:
@@ -358,7 +361,6 @@ class Engine:
                 self._free_row(row)
             if self.prefilling is not None:
                 self._move_row(self.prefilling, len(self.running))
-            self.acceptance.probe_every = seq.estimate.probe_every
         seq.metrics.total_time = time.perf_counter() - seq.start_time
         self.metrics.merge(seq.metrics)
 

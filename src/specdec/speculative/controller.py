@@ -2,11 +2,21 @@
 
 The adaptive controller follows Leviathan et al.: with per-token acceptance rate a, a step that drafts K
 tokens emits E(K) = (1 - a^(K+1)) / (1 - a) tokens on average and costs K * t_draft + t_verify(K + 1).
-It picks the K in [0, K_max] with the most tokens per second, where a is estimated per sequence from its
-recent verdicts and the times are measured live (per batch size and rows verified). K = 0 is plain
-decoding; while K = 0 wins, the controller probes with K = 1 every `probe_interval` steps, so a draft
-that starts agreeing again is noticed. Before anything is measured it probes too (K = 1): a cheap step
-that measures a draft forward and a 2-row verification (longer drafts are then tried from those costs).
+K = 0 is plain decoding.
+
+K is chosen for the whole batch, not per sequence: a verification pass pads every row to the widest
+draft and a draft model runs all rows for the longest draft, so a sequence drafting fewer tokens saves
+nothing. With B sequences of acceptance rates a_1..a_B, the controller picks the K in [0, K_max] with
+the most expected tokens per second, sum_i E(a_i, K) / (K * t_draft(B) + t_verify(B * (K + 1))), where
+each a_i is estimated from sequence i's recent verdicts and the times are measured live, by batch size
+and rows verified, and interpolated between what was measured (`CostModel`).
+
+While K = 0 wins, the controller probes (K = 1) every `probe_interval` steps, the interval doubling up
+to `max_probe_interval` while probes keep losing, so that a draft that starts agreeing again is
+noticed. It does not probe when speculation could not pay at this batch size even with acceptance
+`probe_rate` (a large batch, where verification is no longer free): there is nothing to find out.
+Before anything is measured it probes too: a cheap step that measures a draft forward and a 2-row
+verification (longer drafts are then tried from those costs).
 
 Example: a = 0.8, t_draft / t_verify = 0.1 -> E(5) = 3.69 tokens for 1.5 pass-times: 2.46 tokens per
 pass-time, better than K = 0 (1.0) or K = 8 (4.33 / 1.8 = 2.40).
@@ -28,9 +38,6 @@ class AcceptanceEstimate:
 
     accepted: float = 1.8
     rejections: float = 1.2
-    steps_off: int = 0  # steps since speculation was turned off for this sequence
-    probe_every: int = 0  # steps between probes while off (0: the controller's base interval)
-    probing: bool = False  # this step's draft is a probe (speculation is off otherwise)
 
     @classmethod
     def with_prior(cls, rate: float, weight: float = 3.0) -> "AcceptanceEstimate":
@@ -53,10 +60,19 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 class CostModel:
-    """Running means of the time of one draft forward (by batch size) and of one target pass (by rows)."""
+    """Running means of the time of one draft forward (by batch size) and of one target pass (by rows).
 
-    def __init__(self, smoothing: float = 0.2) -> None:
+    Unmeasured sizes are estimated from measured ones: linearly between the two nearest, and outside the
+    measured range along the line through the two nearest, kept between the nearest's cost and that
+    cost scaled in proportion to the size (more rows never cost less, nor more than proportionally
+    more). With a single measurement, the cost grows by `prior_slope` of it per size of it (halfway
+    between free and proportional). Example: verify {1: 1.0, 2: 1.2} -> verify_time(6) = 2.0;
+    verify {2: 1.0} alone -> verify_time(6) = 1.0 * (1 + 0.5 * 4 / 2) = 2.0.
+    """
+
+    def __init__(self, smoothing: float = 0.2, prior_slope: float = 0.5) -> None:
         self.smoothing = smoothing
+        self.prior_slope = prior_slope
         self.draft: dict[int, float] = {}  # batch size -> seconds per draft forward
         self.verify: dict[int, float] = {}  # rows in the target pass -> seconds
 
@@ -70,25 +86,39 @@ class CostModel:
     def record_verify(self, rows: int, seconds: float) -> None:
         self._update(self.verify, rows, seconds)
 
-    @staticmethod
-    def _nearest(table: dict[int, float], key: int) -> float | None:
+    def _estimate(self, table: dict[int, float], key: int) -> float | None:
         if not table:
             return None
         if key in table:
             return table[key]
-        return table[min(table, key=lambda k: abs(k - key))]
+        keys = sorted(table)
+        below = [k for k in keys if k < key]
+        above = [k for k in keys if k > key]
+        if below and above:  # interpolate
+            k0, k1 = below[-1], above[0]
+            return table[k0] + (table[k1] - table[k0]) * (key - k0) / (k1 - k0)
+        k1 = above[0] if above else below[-1]  # the nearest measured size
+        if len(keys) == 1:
+            guess = table[k1] * (1 + self.prior_slope * (key - k1) / k1)
+        else:
+            k0 = above[1] if above else below[-2]  # the next nearest
+            guess = table[k1] + (table[k1] - table[k0]) / (k1 - k0) * (key - k1)
+        # more rows never cost less, nor more than proportionally more
+        low, high = sorted((table[k1], table[k1] * key / k1))
+        return min(max(guess, low), high)
 
     def draft_time(self, batch_size: int) -> float | None:
-        return self._nearest(self.draft, batch_size)
+        return self._estimate(self.draft, batch_size)
 
     def verify_time(self, rows: int) -> float | None:
-        return self._nearest(self.verify, rows)
+        return self._estimate(self.verify, rows)
 
 
 class FixedK:
     """Always draft K tokens (speculation off when K = 0)."""
 
     adaptive = False
+    probing = False
 
     def __init__(self, k: int) -> None:
         self.k_max = k
@@ -98,44 +128,47 @@ class FixedK:
 
 
 class AdaptiveK:
-    """Per sequence, the K that maximises expected tokens per second at the current batch size."""
+    """One K for the batch: the one that maximises expected tokens per second at its size."""
 
     adaptive = True
 
     def __init__(self, k_max: int, probe_interval: int = 16, max_probe_interval: int = 256,
-                 decay: float = 0.9) -> None:
+                 decay: float = 0.9, probe_rate: float = 0.9) -> None:
         self.k_max = k_max
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.decay = decay
+        self.probe_rate = probe_rate
+        self.steps_off = 0  # steps since speculation was last on (or probed)
+        self.probe_every = probe_interval  # steps between probes while off; doubles while probes lose
+        self.probing = False  # this step's draft is a probe
 
-    def best_k(self, a: float, batch_size: int, costs: CostModel) -> int:
-        t_draft = costs.draft_time(batch_size)
-        t_one = costs.verify_time(batch_size)
-        if t_draft is None or t_one is None:
-            return -1  # nothing measured yet: see `choose`
-        best_k, best_rate = 0, 1.0 / t_one
+    def best_k(self, rates: list[float], costs: CostModel) -> int:
+        """The K with the most expected tokens per second for a batch with these acceptance rates;
+        -1 when nothing is measured yet."""
+        B = len(rates)
+        t_draft = costs.draft_time(B)
+        t_plain = costs.verify_time(B)
+        if t_draft is None or t_plain is None:
+            return -1
+        best_k, best_rate = 0, B / t_plain
         for k in range(1, self.k_max + 1):
-            t_verify = costs.verify_time(batch_size * (k + 1))
-            rate = expected_tokens(a, k) / (k * t_draft + t_verify)
+            rate = sum(expected_tokens(a, k) for a in rates) / (k * t_draft + costs.verify_time(B * (k + 1)))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
     def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel) -> list[int]:
-        ks = []
-        for est in estimates:
-            k = self.best_k(est.rate, len(estimates), costs)
-            est.probing = False
-            if k < 0:  # nothing measured yet: one cheap probe (K = 1) measures a draft step and a 2-row pass
-                k, est.probing = 1, True
-            elif k == 0:
-                est.steps_off += 1
-                if est.steps_off >= (est.probe_every or self.probe_interval):  # probe: agreeing again?
-                    est.steps_off = 0
-                    est.probe_every = min(2 * (est.probe_every or self.probe_interval), self.max_probe_interval)
-                    k, est.probing = 1, True
-            else:
-                est.steps_off, est.probe_every = 0, 0
-            ks.append(k)
-        return ks
+        k = self.best_k([est.rate for est in estimates], costs)
+        self.probing = False
+        if k < 0:  # nothing measured yet: one cheap probe (K = 1) measures a draft step and a 2-row pass
+            k, self.probing = 1, True
+        elif k > 0:
+            self.steps_off, self.probe_every = 0, self.probe_interval
+        else:
+            self.steps_off += 1
+            if self.steps_off >= self.probe_every and self.best_k([self.probe_rate] * len(estimates), costs) > 0:
+                self.steps_off = 0  # probe: is the draft agreeing again?
+                self.probe_every = min(2 * self.probe_every, self.max_probe_interval)
+                k, self.probing = 1, True
+        return [k] * len(estimates)

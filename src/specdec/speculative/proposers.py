@@ -7,6 +7,7 @@ empty `Draft` on the same path.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence as Seq
 
@@ -37,7 +38,6 @@ class SequenceLike(Protocol):
     row: int  # cache row of the sequence in this batch
     params: "object"  # SamplingParams
     generator: torch.Generator
-    probing: bool  # the draft is a probe after a stretch without speculation: a cheap, rough one will do
 
 
 class Proposer(Protocol):
@@ -105,27 +105,31 @@ class NgramProposer(StatelessProposer):
 class DraftModelProposer:
     """A smaller model of the same family, with its own KV cache rolled back with the target's.
 
-    The draft cache holds the K/V of a stretch of each sequence; a proposal first feeds the tokens it
-    lacks (usually 1; 2 after a fully accepted draft: the last drafted token and the bonus token; more
-    after a stretch without speculation, fed as one prefill), then drafts one token per pass.
+    The draft cache holds the K/V of a stretch of each sequence. The engine feeds it the prompt while
+    it prefills the target (`prefill`), when it expects to speculate. A proposal first feeds each row
+    the tokens it lacks (usually 1; 2 after a fully accepted draft: the last drafted token and the bonus
+    token; more after steps without speculation), all rows in one forward, then drafts one token per
+    forward.
 
-    A probe (one drafted token after a stretch without speculation) would cost a prefill of everything
-    the draft missed, which is what made a draft that never agrees slower than plain decoding. So a
-    probe whose gap exceeds `probe_window` tokens restarts the draft's row on the last `probe_window`
-    tokens only (at their true positions); `skipped[row]` counts the tokens before them. The draft then
-    sees less context, which can only lower its acceptance, never change the output.
+    A row more than `window` tokens behind (speculation was off for a while, or the engine did not feed
+    it the prompt) restarts on the last `window` tokens only, at their true positions: feeding all it
+    missed would cost a prefill, which is what made a draft that never agrees (probed now and then)
+    slower than plain decoding. `skipped[row]` counts the tokens before them. The draft then sees less
+    context, which can only lower its acceptance, never change the output.
     """
 
     needs_hidden = False
 
     def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512,
-                 probe_window: int = 16) -> None:
+                 window: int = 16) -> None:
         self.model = model
         self.cache = model.new_cache(max_batch_size, capacity)
         self.prefill_chunk = prefill_chunk
-        self.probe_window = probe_window
+        self.window = window
         self.skipped: dict[int, int] = {}  # row -> leading tokens of the sequence not in the draft cache
         self._drafted_from: dict[int, int] = {}  # row -> len(seq.tokens) when this step's draft began
+        self.forward_seconds: float | None = None  # mean time of this step's draft forwards (catch-up excluded)
+        self._sync = model.device.type == "cuda"
 
     def _consumed(self, row: int) -> int:
         """Tokens of the sequence in row `row` that the draft has seen (or skipped)."""
@@ -137,23 +141,26 @@ class DraftModelProposer:
         weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
         return weights + self.cache.nbytes
 
-    def _catch_up(self, seq) -> None:
-        """Feed all but the last missing tokens of `seq` (a prefill), so one or two remain to feed."""
-        row, n = seq.row, len(seq.tokens)
-        start = self._consumed(row)
-        end = n - 1
-        if seq.probing and end - start > self.probe_window:
-            start = end - self.probe_window  # restart the row on the last probe_window tokens
-            self.skipped[row], self.cache.lengths[row] = start, 0
+    def prefill(self, seq, start: int, stop: int) -> None:
+        """Feed prompt tokens [start, stop) of `seq` (the chunk the target was just fed), in chunks of
+        `prefill_chunk`; nothing if the row is not at `start` (it catches up at its first proposal)."""
+        row = seq.row
+        if self._consumed(row) != start:
+            return
         view = self.cache.row_view(row)
-        while start < end:
-            stop = min(end, start + self.prefill_chunk)
-            chunk = torch.tensor([seq.tokens[start:stop]], device=self.model.device)
-            positions = torch.arange(start, stop, device=self.model.device)[None]
-            self.model(chunk, positions, view, num_logits=1)
-            view.advance(0, stop - start)
-            start = stop
+        device = self.model.device
+        while start < stop:
+            end = min(stop, start + self.prefill_chunk)
+            chunk = torch.tensor([seq.tokens[start:end]], device=device)
+            self.model(chunk, torch.arange(start, end, device=device)[None], view, num_logits=1)
+            view.advance(0, end - start)
+            start = end
         self.cache.lengths[row] = view.lengths[0]
+
+    def _time(self) -> float:
+        if self._sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def _pick(self, seq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """The draft's token for `seq` from logits [V]: argmax when greedy, else a seeded draw."""
@@ -165,22 +172,26 @@ class DraftModelProposer:
     def propose(self, seqs, ks):
         k_max = max(ks, default=0)
         self._drafted_from = {}
+        self.forward_seconds = None
         if k_max == 0:
             return [Draft([]) for _ in seqs]
         device = self.model.device
         for seq in seqs:
-            if len(seq.tokens) - self._consumed(seq.row) > 2:
-                self._catch_up(seq)
-            self._drafted_from[seq.row] = len(seq.tokens)
+            row, n = seq.row, len(seq.tokens)
+            if n - self._consumed(row) > self.window + 1:  # restart the row on the last `window` tokens
+                self.skipped[row], self.cache.lengths[row] = n - 1 - self.window, 0
+            self._drafted_from[row] = n
         B = len(seqs)
-        pending = [seq.tokens[self._consumed(seq.row):] for seq in seqs]  # 1 or 2 tokens each
+        pending = [seq.tokens[self._consumed(seq.row):] for seq in seqs]  # 1 or 2 tokens each, usually
         width = max(len(p) for p in pending)
         inputs = [p + [p[-1]] * (width - len(p)) for p in pending]  # right-pad; pads are never committed
         positions = [[self._consumed(s.row) + t for t in range(width)] for s in seqs]
         last = [len(p) - 1 for p in pending]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        timed, forwards = 0.0, 0
         for step in range(k_max):
+            t0 = self._time()
             logits = self.model(
                 torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.cache
             )  # [B, width, V]
@@ -194,10 +205,14 @@ class DraftModelProposer:
                     tokens[b].append(token)
                     if p is not None:
                         probs[b].append(p)
+            if len(inputs[0]) <= 2:  # a drafting forward (a wider one is a catch-up: not the cost of a step)
+                timed, forwards = timed + self._time() - t0, forwards + 1
             if step + 1 < k_max:
                 inputs = [[t[-1] if t else seq.tokens[-1]] for t, seq in zip(tokens, seqs)]
                 positions = [[self._consumed(s.row)] for s in seqs]
                 last = [0] * B
+        if forwards:
+            self.forward_seconds = timed / forwards
         return [
             Draft(tokens[b][:ks[b]], torch.stack(probs[b][:ks[b]]) if probs[b] and ks[b] else None)
             for b in range(B)
