@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/bench_speculative.py [--humaneval 4] [--spec-bench 1] [--max-tokens 64]
 
-Configurations (all on the same loaded target, same prompts): plain decoding (first and last: the
-baseline is their mean, and their difference shows how much the machine drifted during the run); draft model with fixed
-K = 1..8 and adaptive; prompt lookup (n-gram); a degraded draft (logits permuted) fixed and adaptive;
-the shipped Medusa and EAGLE heads, chain and tree (static and EAGLE-2 dynamic); and, with --transformers, Hugging Face transformers' plain and assisted generation with the same pair
+Configurations (all on the same loaded target, same prompts): plain decoding, first and last (the
+baseline is their mean; their difference shows how much the machine drifted during the run); draft
+model with fixed K = 1..8 and adaptive; prompt lookup (n-gram); a degraded draft (logits permuted)
+fixed and adaptive; the shipped Medusa and EAGLE heads, chain and tree (static and EAGLE-2 dynamic);
+and, with --transformers, Hugging Face transformers' plain and assisted generation with the same pair
 (fp32, its best path on this CPU). Greedy and temperature 0.7. Prints a table, then one JSON line.
 """
 
