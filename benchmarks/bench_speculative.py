@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/bench_speculative.py [--humaneval 4] [--spec-bench 1] [--max-tokens 64]
 
-Configurations (all on the same loaded target, same prompts): plain decoding, first and last (the
-baseline is their mean; their difference shows how much the machine drifted during the run); draft
-model with fixed K = 1..8 and adaptive; prompt lookup (n-gram); a degraded draft (logits permuted)
+Configurations (all on the same loaded target, same prompts, taking turns prompt by prompt so that the
+machine's drift affects them alike): plain decoding (the baseline); draft model with fixed K = 1..8 and
+adaptive; prompt lookup (n-gram); a degraded draft (logits permuted)
 fixed and adaptive; the shipped Medusa and EAGLE heads, chain and tree (static and EAGLE-2 dynamic);
 and, with --transformers, Hugging Face transformers' plain and assisted generation with the same pair
 (fp32, its best path on this CPU). Greedy and temperature 0.7. Prints a table, then one JSON line.
@@ -51,23 +51,14 @@ def load_prompts(tokenizer, n_humaneval: int, per_category: int) -> list[tuple[s
     return out
 
 
-def run_engine(engine: Engine, prompts, params: SamplingParams) -> tuple[float, SpecMetrics, list[list[int]]]:
-    # the heads never saw these prompts: they are trained on HumanEval 100+ and the second half of each
-    # Spec-Bench category (specdec.heads.train.prompt_split)
-    """Sequential requests; returns decode seconds (prefill excluded), metrics, outputs."""
-    total = SpecMetrics()
-    outputs = []
-    for i, (_, ids) in enumerate(prompts):
-        engine.add_request(str(i), ids, params)
-        out = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                pass
-        out.metrics.total_time = out.metrics.total_time or 0.0
-        total.merge(out.metrics)
-        outputs.append(out.token_ids)
-    decode = total.draft_time + total.target_time
-    return decode, total, outputs
+def run_one(engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str):
+    """One request to its end; returns its final output (metrics included)."""
+    engine.add_request(request_id, prompt_ids, params)
+    out = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pass
+    return out
 
 
 def transformers_baseline(prompts, params: SamplingParams, assisted: bool) -> tuple[float, int]:
@@ -143,46 +134,46 @@ def main() -> None:
             yield f"eagle K={k}", lambda k=k: heads_engine("eagle", k)
         yield "eagle tree", lambda: heads_engine("eagle", 3, default_tree(3))
         yield "eagle dynamic", lambda: heads_engine("eagle", 4, DynamicTree(top_k=2, beam=1))
-        yield "plain (again)", lambda: Engine(target, llm.tokenizer, None, 0, max_model_len=2048)
 
     results = []
     print(f"{len(prompts)} prompts ({', '.join(sorted({p[0] for p in prompts}))}), {args.max_tokens} tokens each; "
           f"target {TARGET} ({llm.quantization}, {llm.dtype}), draft {DRAFT} ({llm.draft_quantization})")
+    wanted = {c.strip() for c in args.configs.split(",") if c.strip()} | {"plain"}  # plain: always, the baseline
     for temp in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
-        plain_out = None
-        wanted = {c.strip() for c in args.configs.split(",") if c.strip()} | {"plain", "plain (again)"}
-        rows = []
-        for name, make in configs():
-            if args.configs and name not in wanted:  # plain runs first and last: the baseline and its drift
-                continue
-            engine = make()
-            seconds, m, outs = run_engine(engine, prompts, params)
+        # every config keeps its own engine (its controller learns across requests, as a server's would);
+        # the configs take turns prompt by prompt, so the machine's drift spreads over all of them alike
+        engines = {name: make() for name, make in configs() if not args.configs or name in wanted}
+        totals = {name: SpecMetrics() for name in engines}
+        outputs: dict[str, list] = {name: [] for name in engines}
+        for i, (_, ids) in enumerate(prompts):
+            for name, engine in engines.items():
+                out = run_one(engine, ids, params, str(i))
+                totals[name].merge(out.metrics)
+                outputs[name].append(out.token_ids)
+        base_tps = None
+        for name, engine in engines.items():
+            m = totals[name]
+            seconds = m.draft_time + m.target_time  # decode time: a draft model's prefill counts, the target's not
+            tps = m.emitted_tokens / seconds
+            base_tps = base_tps or tps
             spec_memory = engine.proposer.memory_bytes if engine.proposer is not None else 0
-            plain_out = plain_out or outs
-            rows.append({
-                "temperature": temp, "config": name, "tokens_per_s": round(m.emitted_tokens / seconds, 2),
-                "acceptance_rate": round(m.acceptance_rate, 3),
+            row = {
+                "temperature": temp, "config": name, "tokens_per_s": round(tps, 2),
+                "speedup": round(tps / base_tps, 3), "acceptance_rate": round(m.acceptance_rate, 3),
                 "mean_acceptance_length": round(m.mean_acceptance_length, 3),
                 "per_position": [round(x, 3) for x in m.per_position_acceptance_rate],
                 "draft_share": round(m.draft_time / max(seconds, 1e-9), 3),
                 "drafts_per_pass": round(m.num_drafts / max(m.target_passes, 1), 3),
-                "exact": outs == plain_out if temp == 0 else None,
+                "exact": outputs[name] == outputs["plain"] if temp == 0 else None,
                 "draft_memory_mb": round(spec_memory / 2**20, 1),
-            })
-            r = rows[-1]
-            print(f"T={temp:<4} {name:20} {r['tokens_per_s']:7.2f} tok/s  accept {r['acceptance_rate']:<6} "
-                  f"len {r['mean_acceptance_length']:<6} draft-time {r['draft_share']:<6} "
-                  f"mem {r['draft_memory_mb']:>6} MB exact {r['exact']}  per-pos {r['per_position']}", flush=True)
-        # the baseline: plain decoding's mean over the first and the last run (the machine drifts)
-        plains = [r["tokens_per_s"] for r in rows if r["config"] in ("plain", "plain (again)")]
-        base_tps = sum(plains) / len(plains)
-        print(f"T={temp:<4} baseline {base_tps:.2f} tok/s (plain first/last {plains[0]:.2f}/{plains[-1]:.2f}: "
-              f"drift {plains[-1] / plains[0] - 1:+.1%})")
-        for r in rows:
-            r["speedup"] = round(r["tokens_per_s"] / base_tps, 3)
-            print(f"T={temp:<4} {r['config']:20} x{r['speedup']:<6}")
-        results += rows
+            }
+            results.append(row)
+            print(f"T={temp:<4} {name:20} {tps:7.2f} tok/s  x{row['speedup']:<6} accept {row['acceptance_rate']:<6} "
+                  f"len {row['mean_acceptance_length']:<6} draft-time {row['draft_share']:<6} "
+                  f"mem {row['draft_memory_mb']:>6} MB "
+                  f"exact {row['exact']}  per-pos {row['per_position']}", flush=True)
+        del engines
         if args.transformers:
             for assisted in (False, True):
                 seconds, tokens = transformers_baseline(prompts, params, assisted)

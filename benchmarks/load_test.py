@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/load_test.py [--concurrency 1,2,4,8,16] [--max-tokens 48] [--requests-per-client 1]
 
 For each mode (speculation off, fixed K=5, adaptive) it starts its own server (batching up to the largest
-concurrency), then for each concurrency level runs that many clients at once, each sending
+concurrency), all at once; then for each concurrency level, mode after mode, runs that many clients at
+once against that mode's server, each sending
 `--requests-per-client` streaming chat requests (HumanEval prompts, greedy). Reports output tokens/s,
 time to first token and time per output token (median, p95), acceptance rate (from /metrics) and the
 server's memory (RSS). Bounded: a fixed number of requests, and `--timeout` seconds per level.
@@ -134,11 +135,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
     rows = []
-    for mode in args.modes.split(","):
-        proc, url = start_server(MODES[mode], max(levels))
-        try:
-            for c in levels:
+    servers = {}
+    try:
+        for mode in modes:  # all up at once (an idle server waits on its inbox: it takes no CPU)
+            servers[mode] = start_server(MODES[mode], max(levels))
+        for c in levels:  # the modes side by side at each level: the machine drifts less between them
+            for mode in modes:
+                proc, url = servers[mode]
                 drafted0, accepted0 = spec_counters(url)
                 row = asyncio.run(run_level(url, c, args.requests_per_client, args.max_tokens, args.timeout))
                 drafted, accepted = spec_counters(url)
@@ -149,7 +154,12 @@ def main() -> None:
                 print(f"{mode:10} c={c:<3} {row['throughput']:7.2f} tok/s  ttft {row['ttft_median']:.2f}/"
                       f"{row['ttft_p95']:.2f}s  tpot {row['tpot_median'] * 1e3:.0f}/{row['tpot_p95'] * 1e3:.0f}ms  "
                       f"accept {row['acceptance_rate']}  rss {row['rss_gib']} GiB", flush=True)
-        finally:
+            level = {r["mode"]: r["throughput"] for r in rows if r["concurrency"] == c}
+            if "adaptive" in level and len(level) > 1:
+                best = max(v for m, v in level.items() if m != "adaptive")
+                print(f"{'':10} c={c:<3} adaptive / best of the others: {level['adaptive'] / best:.2f}", flush=True)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
     print(json.dumps({"benchmark": "load", "max_tokens": args.max_tokens, "results": rows}))

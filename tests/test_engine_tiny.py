@@ -13,6 +13,7 @@ from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.speculative.controller import CostModel
 from specdec.speculative.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
 
@@ -470,8 +471,14 @@ def test_the_draft_skips_prompts_joining_while_speculation_is_off():
     degraded = PermutedLogitsModel(varied_model(seed=0, dtype=torch.float32), seed=1)
     engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4), 4,
                     adaptive=True, max_model_len=MAX_LEN)
+    assert not engine._draft_reads_prompt()  # nothing measured: the first step is a probe (on a window)
+    engine.costs.record_draft(1, 0.01)
+    engine.costs.record_verify(1, 1.0)
+    engine.costs.record_verify(2, 1.0)
+    assert engine._draft_reads_prompt()  # at the prior acceptance (0.6), a cheap draft pays
+    engine.costs = CostModel()
     generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    assert not engine._speculating
+    assert not engine._draft_reads_prompt()
     prompt = tuple(range(30, 60))
     fed, original = widths_fed(degraded.inner)
     try:

@@ -95,7 +95,6 @@ class Engine:
         self._aborted: set[str] = set()
         self._sync = target.device.type == "cuda"
         self._needs_hidden = bool(getattr(proposer, "needs_hidden", False))
-        self._speculating = k > 0  # the last step drafted (not as a probe): joining prompts go to the draft too
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -141,7 +140,6 @@ class Engine:
             return outputs
         seqs = self.running
         ks = self._choose_k(seqs)
-        self._speculating = max(ks) > 0 and not self.controller.probing
 
         t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, ks) if self.proposer is not None and max(ks) > 0 else \
@@ -336,10 +334,23 @@ class Engine:
         self.cache.advance(seq.row, stop - start)
         t1 = self._now()
         seq.metrics.prefill_time += t1 - t0
-        if self._speculating and hasattr(self.proposer, "prefill"):  # a draft model reads the prompt too
+        if hasattr(self.proposer, "prefill") and self._draft_reads_prompt():  # a draft model reads it too
             self.proposer.prefill(seq, start, stop)
             seq.metrics.draft_time += self._now() - t1
         return stop - start
+
+    def _draft_reads_prompt(self) -> bool:
+        """Whether the batch a prompt joins will speculate, so that a draft model should read the prompt
+        (otherwise it is wasted work: a later probe restarts the draft on a short window). Fixed K: yes.
+        Adaptive: if K > 0 wins for the running sequences and this one (at the mean acceptance so far);
+        not before anything is measured (the first step is a probe)."""
+        B = len(self.running) + 1
+        if not self.controller.adaptive:
+            return self.controller.k_max > 0 and (self.disable_by_batch_size is None or B <= self.disable_by_batch_size)
+        if self.disable_by_batch_size is not None and B > self.disable_by_batch_size:
+            return False
+        rates = [s.estimate.rate for s in self.running] + [self.acceptance.rate]
+        return self.controller.best_k(rates, self.costs) > 0
 
     def _retire_finished(self) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:
