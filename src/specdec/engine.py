@@ -342,14 +342,15 @@ class Engine:
     def _draft_reads_prompt(self) -> bool:
         """Whether the batch a prompt joins will speculate, so that a draft model should read the prompt
         (otherwise it is wasted work: a later probe restarts the draft on a short window). Fixed K: yes.
-        Adaptive: if K > 0 wins for the running sequences and this one (at the mean acceptance so far);
-        not before anything is measured (the first step is a probe)."""
-        B = len(self.running) + 1
+        Adaptive: if K > 0 wins for the batch it will be in (the running sequences, this one and those
+        waiting behind it, up to max_batch_size; new ones at the mean acceptance so far); not before
+        anything is measured (the first step is a probe)."""
+        B = min(self.max_batch_size, len(self.running) + 1 + len(self.waiting))
         if not self.controller.adaptive:
             return self.controller.k_max > 0 and (self.disable_by_batch_size is None or B <= self.disable_by_batch_size)
         if self.disable_by_batch_size is not None and B > self.disable_by_batch_size:
             return False
-        rates = [s.estimate.rate for s in self.running] + [self.acceptance.rate]
+        rates = [s.estimate.rate for s in self.running] + [self.acceptance.rate] * (B - len(self.running))
         return self.controller.best_k(rates, self.costs) > 0
 
     def _retire_finished(self) -> None:
