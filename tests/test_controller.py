@@ -190,6 +190,20 @@ def test_adaptive_probes_while_off_with_a_doubling_interval():
     assert (ctl.steps_off, ctl.probe_every) == (0, 5)
 
 
+def test_adaptive_turns_speculation_on_only_for_a_clear_gain_and_keeps_it_while_it_gains():
+    """Hysteresis: a 5% gain over plain decoding does not switch speculation on (switching costs the draft
+    a catch-up, and the estimates are noisy), a 20% gain does; once on, a 5% gain keeps it on."""
+    costs = costs_with(draft=0.5, verify=1.0)  # K = 1 at acceptance a: (1 + a) / 1.5 tokens per pass-time
+    small, clear = AcceptanceEstimate.with_prior(0.575), AcceptanceEstimate.with_prior(0.8)
+    assert (1 + 0.575) / 1.5 == pytest.approx(1.05) and (1 + 0.8) / 1.5 == pytest.approx(1.2)
+    ctl = AdaptiveK(1, probe_interval=1000)
+    assert ctl.best_k([small.rate], costs) == 1  # the best K without a margin
+    assert ctl.choose([small], costs) == [0] and not ctl.on
+    assert ctl.choose([clear], costs) == [1] and ctl.on
+    assert ctl.choose([small], costs) == [1] and ctl.on
+    assert ctl.choose([AcceptanceEstimate.with_prior(0.45)], costs) == [0] and not ctl.on  # a loss: off
+
+
 def test_adaptive_does_not_probe_where_speculation_cannot_pay():
     """At a batch size where even acceptance `probe_rate` would not beat plain decoding (verification
     costs in proportion to rows, drafting is not free), probing could find nothing: it never happens."""

@@ -351,7 +351,8 @@ class Engine:
         if self.disable_by_batch_size is not None and B > self.disable_by_batch_size:
             return False
         rates = [s.estimate.rate for s in self.running] + [self.acceptance.rate] * (B - len(self.running))
-        return self.controller.best_k(rates, self.costs) > 0
+        margin = 1.0 if self.controller.on else self.controller.switch_margin
+        return self.controller.best_k(rates, self.costs, margin) > 0
 
     def _retire_finished(self) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:

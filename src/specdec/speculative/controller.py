@@ -11,6 +11,10 @@ the most expected tokens per second, sum_i E(a_i, K) / (K * t_draft(B) + t_verif
 each a_i is estimated from sequence i's recent verdicts and the times are measured live, by batch size
 and rows verified, and interpolated between what was measured (`CostModel`).
 
+Switching speculation on costs a draft model a catch-up on the tokens it missed, which the formula does
+not count, and measured costs are noisy: so from K = 0 the controller turns speculation on only for a
+gain of `switch_margin` (10%) over plain decoding; once on, any gain keeps it on.
+
 While K = 0 wins, the controller probes (K = 1) every `probe_interval` steps, the interval doubling up
 to `max_probe_interval` while probes keep losing, so that a draft that starts agreeing again is
 noticed. It does not probe when speculation could not pay at this batch size even with acceptance
@@ -133,8 +137,10 @@ class AdaptiveK:
     adaptive = True
 
     def __init__(self, k_max: int, probe_interval: int = 16, max_probe_interval: int = 256,
-                 decay: float = 0.9, probe_rate: float = 0.9) -> None:
+                 decay: float = 0.9, probe_rate: float = 0.9, switch_margin: float = 1.1) -> None:
         self.k_max = k_max
+        self.switch_margin = switch_margin
+        self.on = False  # the last step speculated (not as a probe)
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.decay = decay
@@ -143,15 +149,15 @@ class AdaptiveK:
         self.probe_every = probe_interval  # steps between probes while off; doubles while probes lose
         self.probing = False  # this step's draft is a probe
 
-    def best_k(self, rates: list[float], costs: CostModel) -> int:
-        """The K with the most expected tokens per second for a batch with these acceptance rates;
-        -1 when nothing is measured yet."""
+    def best_k(self, rates: list[float], costs: CostModel, margin: float = 1.0) -> int:
+        """The K with the most expected tokens per second for a batch with these acceptance rates, 0 unless
+        it beats plain decoding by the factor `margin`; -1 when nothing is measured yet."""
         B = len(rates)
         t_draft = costs.draft_time(B)
         t_plain = costs.verify_time(B)
         if t_draft is None or t_plain is None:
             return -1
-        best_k, best_rate = 0, B / t_plain
+        best_k, best_rate = 0, margin * B / t_plain
         for k in range(1, self.k_max + 1):
             rate = sum(expected_tokens(a, k) for a in rates) / (k * t_draft + costs.verify_time(B * (k + 1)))
             if rate > best_rate:
@@ -159,7 +165,11 @@ class AdaptiveK:
         return best_k
 
     def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel) -> list[int]:
-        k = self.best_k([est.rate for est in estimates], costs)
+        # switching speculation on costs the draft a catch-up the formula does not count, and the estimates
+        # are noisy: from off, only a clear gain (`switch_margin`) turns it on; once on, any gain keeps it on
+        margin = 1.0 if self.on else self.switch_margin
+        k = self.best_k([est.rate for est in estimates], costs, margin)
+        self.on = k > 0
         self.probing = False
         if k < 0:  # nothing measured yet: one cheap probe (K = 1) measures a draft step and a 2-row pass
             k, self.probing = 1, True
