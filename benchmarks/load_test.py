@@ -7,7 +7,9 @@ concurrency), all at once; then for each concurrency level, mode after mode, run
 once against that mode's server, each sending
 `--requests-per-client` streaming chat requests (HumanEval prompts, greedy). Reports output tokens/s,
 time to first token and time per output token (median, p95), acceptance rate (from /metrics) and the
-server's memory (RSS). Bounded: a fixed number of requests, and `--timeout` seconds per level.
+server's memory (RSS); failed requests are counted apart (their tokens are not throughput) and each
+server's log is kept in a temporary folder (printed). Bounded: a fixed number of requests, and
+`--timeout` seconds per level.
 Prints a table, then one JSON line.
 """
 
@@ -22,12 +24,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+LOG_DIR = tempfile.mkdtemp(prefix="specdec-load-")
 MODES = {
     "off": [],
     "fixed K=5": ["--speculative-model", "qwen2.5-coder-0.5b-instruct", "--num-speculative-tokens", "5"],
@@ -51,7 +55,8 @@ def start_server(mode_args: list[str], max_num_seqs: int) -> tuple[subprocess.Po
     port = free_port()
     cmd = [sys.executable, "-m", "specdec", "serve", "qwen2.5-coder-1.5b-instruct", *mode_args, "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(os.path.join(LOG_DIR, f"server-{port}.log"), "w")  # the server's own log, for what went wrong
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -73,18 +78,22 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     start = time.perf_counter()
     first = None
     tokens = 0
+    error = None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):  # the server failed the request mid-stream
+                error = chunk["error"].get("message", str(chunk["error"]))
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and first is None:
                 first = time.perf_counter()
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = first or end
-    return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end}
+    return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end,
+            "error": error if r.status_code == 200 else f"HTTP {r.status_code}"}
 
 
 async def run_level(url: str, concurrency: int, per_client: int, max_tokens: int, timeout: float) -> dict:
@@ -97,7 +106,10 @@ async def run_level(url: str, concurrency: int, per_client: int, max_tokens: int
         start = time.perf_counter()
         results = await asyncio.wait_for(asyncio.gather(*(client_loop(c) for c in range(concurrency))), timeout)
         elapsed = time.perf_counter() - start
-    flat = [r for rs in results for r in rs]
+    every = [r for rs in results for r in rs]
+    flat = [r for r in every if r["error"] is None]
+    if not flat:
+        raise RuntimeError(f"every request failed: {every[0]['error']}")
     ttft = sorted(r["ttft"] for r in flat)
     tpot = sorted(r["tpot"] for r in flat)
 
@@ -106,7 +118,7 @@ async def run_level(url: str, concurrency: int, per_client: int, max_tokens: int
 
     return {"throughput": sum(r["tokens"] for r in flat) / elapsed, "ttft_median": statistics.median(ttft),
             "ttft_p95": p95(ttft), "tpot_median": statistics.median(tpot), "tpot_p95": p95(tpot),
-            "requests": len(flat)}
+            "requests": len(every), "errors": [r["error"] for r in every if r["error"] is not None]}
 
 
 def spec_counters(url: str) -> tuple[float, float]:
@@ -136,6 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
+    print(f"server logs in {LOG_DIR}", flush=True)
     rows = []
     servers = {}
     try:
@@ -153,7 +166,8 @@ def main() -> None:
                 rows.append(row)
                 print(f"{mode:10} c={c:<3} {row['throughput']:7.2f} tok/s  ttft {row['ttft_median']:.2f}/"
                       f"{row['ttft_p95']:.2f}s  tpot {row['tpot_median'] * 1e3:.0f}/{row['tpot_p95'] * 1e3:.0f}ms  "
-                      f"accept {row['acceptance_rate']}  rss {row['rss_gib']} GiB", flush=True)
+                      f"accept {row['acceptance_rate']}  rss {row['rss_gib']} GiB"
+                      + (f"  FAILED {len(row['errors'])}: {row['errors'][0]}" if row["errors"] else ""), flush=True)
             level = {r["mode"]: r["throughput"] for r in rows if r["concurrency"] == c}
             if "adaptive" in level and len(level) > 1:
                 best = max(v for m, v in level.items() if m != "adaptive")
