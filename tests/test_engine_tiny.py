@@ -4,6 +4,7 @@ adaptive, single and batched), seeded sampling, abort, and the metrics' bookkeep
 
 from __future__ import annotations
 
+import random
 from functools import lru_cache
 
 import pytest
@@ -280,6 +281,33 @@ def test_batched_outputs_equal_unbatched(dtype_name, kind, k, adaptive):
         if kind == "self":
             assert finals[rid].metrics.num_accepted_tokens == finals[rid].metrics.num_draft_tokens
     assert engine.metrics.emitted_tokens == sum(n for _, _, n, _ in BATCH_REQUESTS)  # cumulative metrics
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_adaptive_batch_under_shifting_costs_stays_exact(seed):
+    """Stress: up to 8 sequences of random prompts join at random steps while the measured costs are
+    set at random, so the batch's K switches on and off, probes come every few steps and draft rows
+    restart on a 4-token window; every output is still its own plain greedy output."""
+    rnd = random.Random(seed)
+    engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(draft("fp32", "noisy copy"), 8, MAX_LEN,
+                    window=4), 4, adaptive=True, max_model_len=MAX_LEN, max_batch_size=8,
+                    prefill_chunk=rnd.choice([3, 8, 64]))
+    engine.controller.probe_interval = engine.controller.probe_every = 2
+    engine._record_costs = lambda *args: None  # costs come from `perturb` alone: the run is deterministic
+    requests = [(str(i), tuple(rnd.randrange(96) for _ in range(rnd.randrange(2, 30))), rnd.randrange(5, 40))
+                for i in range(12)]
+    join_at = [rnd.randrange(0, 30) for _ in requests]
+
+    def perturb(outputs):
+        if rnd.random() < 0.3:
+            engine.costs.record_draft(rnd.randrange(1, 9), rnd.random())
+            engine.costs.record_verify(rnd.randrange(1, 50), rnd.random())
+
+    finals = run(engine, [(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                          for rid, p, n in requests], join_at=join_at, on_step=perturb)
+    for rid, prompt, n in requests:
+        assert tuple(finals[rid].token_ids) == plain("fp32", prompt, n), f"request {rid}"
+    assert engine.metrics.num_drafts > 0
 
 
 @pytest.mark.parametrize("kind", ["scripted", "other seed", "noisy copy", "ngram"])
