@@ -83,6 +83,20 @@ def greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+def continuation_at(model, context: list[int], start: int, k: int, forward=None) -> list[int]:
+    """What `model` drafts after `context` placed at positions start.. (a fresh cache), greedily."""
+    forward = forward or model
+    cache = model.new_cache(1, 64)
+    logits = forward(torch.tensor([context]), torch.arange(start, start + len(context))[None], cache)
+    out = [int(logits[0, -1].argmax())]
+    cache.advance(0, len(context))
+    for i in range(k - 1):
+        logits = forward(torch.tensor([[out[-1]]]), torch.tensor([[start + len(context) + i]]), cache)
+        cache.advance(0, 1)
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
 def test_draft_model_greedy_draft_and_rollback(draft_model):
     prompt = [1, 2, 3, 4, 5, 6, 7]
     ref = greedy_continuation(draft_model, prompt, 12)
@@ -144,16 +158,7 @@ def test_a_row_far_behind_restarts_on_the_last_window(draft_model):
         return original(tokens, *args, **kwargs)
 
     def continuation(context, start, k):
-        """What the draft says after `context` placed at positions start.., fresh cache."""
-        cache = draft_model.new_cache(1, 64)
-        logits = original(torch.tensor([context]), torch.arange(start, start + len(context))[None], cache)
-        out = [int(logits[0, -1].argmax())]
-        cache.advance(0, len(context))
-        for i in range(k - 1):
-            logits = original(torch.tensor([[out[-1]]]), torch.tensor([[start + len(context) + i]]), cache)
-            cache.advance(0, 1)
-            out.append(int(logits[0, -1].argmax()))
-        return out
+        return continuation_at(draft_model, context, start, k, forward=original)  # uncounted
 
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 96, (40,), generator=gen).tolist()
@@ -181,6 +186,28 @@ def test_a_row_far_behind_restarts_on_the_last_window(draft_model):
         assert draft.tokens == continuation(seq.tokens[31:], 31, 1)
     finally:
         draft_model.forward = original
+
+
+def test_observe_after_a_step_without_drafting_leaves_the_rows_alone(draft_model):
+    """The engine observes every step, also one without drafting (no proposal). A sequence that moved into
+    a row since the last draft must not be rolled back with that row's last draft (regression: "cannot
+    truncate row 1 of length 17 to -17" under load, a moved-in row truncated with the last occupant's
+    length minus its own skipped tokens)."""
+    proposer = DraftModelProposer(draft_model, max_batch_size=2, capacity=64, window=4)
+    a, b = Seq(list(range(1, 11)), row=0), Seq(list(range(20, 50)), row=1)
+    drafts = proposer.propose([a, b], [1, 1])  # b restarts on a window: 25 tokens skipped
+    proposer.observe([a, b], drafts, [Verdict(0, 7), Verdict(0, 8)])
+    a.tokens.append(7)
+    b.tokens.append(8)
+    assert proposer.skipped[1] == 25
+    length = proposer.cache.lengths[1]
+    proposer.move_row(1, 0)  # a finished; b takes its row
+    proposer.release(1)
+    b.row = 0
+    proposer.observe([b], [Draft([])], [Verdict(0, 9)])  # a step without drafting
+    assert proposer.cache.lengths[0] == length and proposer.skipped[0] == 25
+    b.tokens.append(9)
+    assert proposer.propose([b], [2])[0].tokens == continuation_at(draft_model, b.tokens[25:], 25, 2)
 
 
 def test_draft_model_reads_the_prompt_at_prefill(draft_model):

@@ -226,6 +226,9 @@ class DraftModelProposer:
                 continue
             keep = self._drafted_from[seq.row] + verdict.num_accepted - self.skipped.get(seq.row, 0)
             self.cache.truncate(seq.row, min(keep, self.cache.lengths[seq.row]))
+        # this step's only: the engine calls observe without propose after a step without drafting, and rows
+        # change hands between steps (regression: a moved-in sequence truncated with the last occupant's length)
+        self._drafted_from = {}
 
     def release(self, row: int) -> None:
         self.cache.lengths[row] = 0
