@@ -4,9 +4,9 @@
 
 Configurations (all on the same loaded target, same prompts, taking turns prompt by prompt so that the
 machine's drift affects them alike): plain decoding (the baseline); draft model with fixed K = 1..8 and
-adaptive; prompt lookup (n-gram); a degraded draft (logits permuted)
-fixed and adaptive; the shipped Medusa and EAGLE heads, chain and tree (static and EAGLE-2 dynamic);
-and, with --transformers, Hugging Face transformers' plain and assisted generation with the same pair
+adaptive; prompt lookup (n-gram); a degraded draft (logits permuted) fixed and adaptive; the shipped
+Medusa and EAGLE heads, chain and tree (static and EAGLE-2 dynamic); and, with --transformers, Hugging
+Face transformers' plain and assisted generation with the same pair
 (fp32, its best path on this CPU). Greedy and temperature 0.7. Prints a table, then one JSON line.
 """
 
@@ -139,6 +139,8 @@ def main() -> None:
     print(f"{len(prompts)} prompts ({', '.join(sorted({p[0] for p in prompts}))}), {args.max_tokens} tokens each; "
           f"target {TARGET} ({llm.quantization}, {llm.dtype}), draft {DRAFT} ({llm.draft_quantization})")
     wanted = {c.strip() for c in args.configs.split(",") if c.strip()} | {"plain"}  # plain: always, the baseline
+    # the heads never saw these prompts: they are trained on HumanEval 100+ and the second half of each
+    # Spec-Bench category (specdec.heads.train.prompt_split); the check above keeps it so
     for temp in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
         # every config keeps its own engine (its controller learns across requests, as a server's would);

@@ -31,7 +31,6 @@ from pathlib import Path
 import httpx
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-LOG_DIR = tempfile.mkdtemp(prefix="specdec-load-")
 MODES = {
     "off": [],
     "fixed K=5": ["--speculative-model", "qwen2.5-coder-0.5b-instruct", "--num-speculative-tokens", "5"],
@@ -51,11 +50,11 @@ def prompts() -> list[str]:
     return [f"Complete this function:\n{r['prompt']}" for r in rows[:32]]
 
 
-def start_server(mode_args: list[str], max_num_seqs: int) -> tuple[subprocess.Popen, str]:
+def start_server(mode_args: list[str], max_num_seqs: int, log_dir: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "specdec", "serve", "qwen2.5-coder-1.5b-instruct", *mode_args, "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024"]
-    log = open(os.path.join(LOG_DIR, f"server-{port}.log"), "w")  # the server's own log, for what went wrong
+    log = open(os.path.join(log_dir, f"server-{port}.log"), "w")  # the server's own log, for what went wrong
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -148,12 +147,13 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
-    print(f"server logs in {LOG_DIR}", flush=True)
+    log_dir = tempfile.mkdtemp(prefix="specdec-load-")
+    print(f"server logs in {log_dir}", flush=True)
     rows = []
     servers = {}
     try:
         for mode in modes:  # all up at once (an idle server waits on its inbox: it takes no CPU)
-            servers[mode] = start_server(MODES[mode], max(levels))
+            servers[mode] = start_server(MODES[mode], max(levels), log_dir)
         for c in levels:  # the modes side by side at each level: the machine drifts less between them
             for mode in modes:
                 proc, url = servers[mode]

@@ -346,13 +346,12 @@ class Engine:
         waiting behind it, up to max_batch_size; new ones at the mean acceptance so far); not before
         anything is measured (the first step is a probe)."""
         B = min(self.max_batch_size, len(self.running) + 1 + len(self.waiting))
-        if not self.controller.adaptive:
-            return self.controller.k_max > 0 and (self.disable_by_batch_size is None or B <= self.disable_by_batch_size)
         if self.disable_by_batch_size is not None and B > self.disable_by_batch_size:
             return False
+        if not self.controller.adaptive:
+            return self.controller.k_max > 0
         rates = [s.estimate.rate for s in self.running] + [self.acceptance.rate] * (B - len(self.running))
-        margin = 1.0 if self.controller.on else self.controller.switch_margin
-        return self.controller.best_k(rates, self.costs, margin) > 0
+        return self.controller.next_k(rates, self.costs) > 0
 
     def _retire_finished(self) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:

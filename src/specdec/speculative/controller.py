@@ -122,7 +122,6 @@ class FixedK:
     """Always draft K tokens (speculation off when K = 0)."""
 
     adaptive = False
-    probing = False
 
     def __init__(self, k: int) -> None:
         self.k_max = k
@@ -164,11 +163,14 @@ class AdaptiveK:
                 best_k, best_rate = k, rate
         return best_k
 
+    def next_k(self, rates: list[float], costs: CostModel) -> int:
+        """`best_k` with hysteresis: switching speculation on costs the draft a catch-up the formula does not
+        count, and the estimates are noisy, so from off only a clear gain (`switch_margin`) turns it on;
+        once on, any gain keeps it on."""
+        return self.best_k(rates, costs, 1.0 if self.on else self.switch_margin)
+
     def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel) -> list[int]:
-        # switching speculation on costs the draft a catch-up the formula does not count, and the estimates
-        # are noisy: from off, only a clear gain (`switch_margin`) turns it on; once on, any gain keeps it on
-        margin = 1.0 if self.on else self.switch_margin
-        k = self.best_k([est.rate for est in estimates], costs, margin)
+        k = self.next_k([est.rate for est in estimates], costs)
         self.on = k > 0
         self.probing = False
         if k < 0:  # nothing measured yet: one cheap probe (K = 1) measures a draft step and a 2-row pass

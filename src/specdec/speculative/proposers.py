@@ -189,9 +189,9 @@ class DraftModelProposer:
         last = [len(p) - 1 for p in pending]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        timed, forwards = 0.0, 0
+        # the cost of a drafting forward: a first forward wider than 2 tokens is a catch-up, left out
+        timed_from, catch_up = (None, 1) if width > 2 else (self._time(), 0)
         for step in range(k_max):
-            t0 = self._time()
             logits = self.model(
                 torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.cache
             )  # [B, width, V]
@@ -205,14 +205,14 @@ class DraftModelProposer:
                     tokens[b].append(token)
                     if p is not None:
                         probs[b].append(p)
-            if len(inputs[0]) <= 2:  # a drafting forward (a wider one is a catch-up: not the cost of a step)
-                timed, forwards = timed + self._time() - t0, forwards + 1
+            if timed_from is None and k_max > 1:
+                timed_from = self._time()
             if step + 1 < k_max:
                 inputs = [[t[-1] if t else seq.tokens[-1]] for t, seq in zip(tokens, seqs)]
                 positions = [[self._consumed(s.row)] for s in seqs]
                 last = [0] * B
-        if forwards:
-            self.forward_seconds = timed / forwards
+        if k_max > catch_up:
+            self.forward_seconds = (self._time() - timed_from) / (k_max - catch_up)
         return [
             Draft(tokens[b][:ks[b]], torch.stack(probs[b][:ks[b]]) if probs[b] and ks[b] else None)
             for b in range(B)
