@@ -1,15 +1,20 @@
 """Load generator: concurrent streaming clients against `specdec serve` on 127.0.0.1, per speculation mode.
 
-    .venv/bin/python benchmarks/load_test.py [--concurrency 1,2,4,8,16] [--max-tokens 48] [--requests-per-client 1]
+    .venv/bin/python benchmarks/load_test.py [--concurrency 1,2,4,8,16] [--max-tokens 48] [--rounds 3]
 
 For each mode (speculation off, fixed K=5, adaptive) it starts its own server (batching up to the largest
-concurrency), all at once; then for each concurrency level, mode after mode, runs that many clients at
-once against that mode's server, each sending
-`--requests-per-client` streaming chat requests (HumanEval prompts, greedy). Reports output tokens/s,
-time to first token and time per output token (median, p95), acceptance rate (from /metrics) and the
-server's memory (RSS); failed requests are counted apart (their tokens are not throughput) and each
-server's log is kept in a temporary folder (printed). Bounded: a fixed number of requests, and
-`--timeout` seconds per level.
+concurrency), all at once, and warms each up with one short request (not counted). Then, for each
+concurrency level, it runs `--rounds` rounds; in each round every mode in turn (the order rotating from
+round to round) gets that many clients at once, each sending `--requests-per-client` streaming chat
+requests (HumanEval prompts, greedy; the same prompts for every mode within a round, new ones in the next
+round). Taking turns this way spreads the machine's drift over the modes alike, and the rounds average it
+out: one round of one request per client is too short to tell a few percent apart here.
+
+Reports per level and mode, over all its rounds: output tokens/s (all tokens over all the time), time to
+first token and time per output token (median, p95), acceptance rate (from /metrics) and the server's
+memory (RSS); then adaptive / the best of the others, pooled and round by round. Failed requests are
+counted apart (their tokens are not throughput) and each server's log is kept in a temporary folder
+(printed). Bounded: a fixed number of requests, and `--timeout` seconds per round.
 Prints a table, then one JSON line.
 """
 
@@ -45,9 +50,10 @@ def free_port() -> int:
 
 
 def prompts() -> list[str]:
+    """HumanEval 0-99 (100+ is the shipped heads' training split), as chat requests."""
     with gzip.open(DATA / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f]
-    return [f"Complete this function:\n{r['prompt']}" for r in rows[:32]]
+    return [f"Complete this function:\n{r['prompt']}" for r in rows[:100]]
 
 
 def start_server(mode_args: list[str], max_num_seqs: int, log_dir: str) -> tuple[subprocess.Popen, str]:
@@ -95,17 +101,21 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
             "error": error if r.status_code == 200 else f"HTTP {r.status_code}"}
 
 
-async def run_level(url: str, concurrency: int, per_client: int, max_tokens: int, timeout: float) -> dict:
-    texts = prompts()
+async def run_round(url: str, texts: list[str], concurrency: int, per_client: int, max_tokens: int,
+                    timeout: float) -> tuple[list[dict], float]:
+    """`concurrency` clients at once, each sending its `per_client` prompts of `texts` in turn: the requests'
+    results and the round's wall time."""
     async with httpx.AsyncClient(timeout=timeout) as client:
         async def client_loop(c: int) -> list[dict]:
-            return [await one_request(client, url, texts[(c * per_client + i) % len(texts)], max_tokens)
-                    for i in range(per_client)]
+            return [await one_request(client, url, texts[c * per_client + i], max_tokens) for i in range(per_client)]
 
         start = time.perf_counter()
         results = await asyncio.wait_for(asyncio.gather(*(client_loop(c) for c in range(concurrency))), timeout)
-        elapsed = time.perf_counter() - start
-    every = [r for rs in results for r in rs]
+        return [r for rs in results for r in rs], time.perf_counter() - start
+
+
+def summarize(every: list[dict], elapsed: float) -> dict:
+    """Throughput (tokens of the requests that succeeded over all the time) and latency percentiles."""
     flat = [r for r in every if r["error"] is None]
     if not flat:
         raise RuntimeError(f"every request failed: {every[0]['error']}")
@@ -115,7 +125,7 @@ async def run_level(url: str, concurrency: int, per_client: int, max_tokens: int
     def p95(xs):
         return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
 
-    return {"throughput": sum(r["tokens"] for r in flat) / elapsed, "ttft_median": statistics.median(ttft),
+    return {"throughput": sum(r["tokens"] for r in flat) / elapsed, "seconds": round(elapsed, 2), "ttft_median": statistics.median(ttft),
             "ttft_p95": p95(ttft), "tpot_median": statistics.median(tpot), "tpot_p95": p95(tpot),
             "requests": len(every), "errors": [r["error"] for r in every if r["error"] is not None]}
 
@@ -143,10 +153,12 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--requests-per-client", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per round")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
+    texts = prompts()
     log_dir = tempfile.mkdtemp(prefix="specdec-load-")
     print(f"server logs in {log_dir}", flush=True)
     rows = []
@@ -154,29 +166,55 @@ def main() -> None:
     try:
         for mode in modes:  # all up at once (an idle server waits on its inbox: it takes no CPU)
             servers[mode] = start_server(MODES[mode], max(levels), log_dir)
-        for c in levels:  # the modes side by side at each level: the machine drifts less between them
+        for mode in modes:  # first requests pay one-time costs (allocator, kernels): not measured
+            asyncio.run(run_round(servers[mode][1], texts[-1:], 1, 1, 8, args.timeout))
+        for c in levels:
+            n = c * args.requests_per_client
+            done: dict[str, list] = {mode: [] for mode in modes}  # per mode: (results, seconds) per round
+            counters = {mode: [0.0, 0.0] for mode in modes}  # drafted, accepted
+            for r in range(args.rounds):
+                batch = [texts[(r * n + i) % len(texts)] for i in range(n)]  # new prompts each round
+                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # who goes first rotates
+                    url = servers[mode][1]
+                    drafted0, accepted0 = spec_counters(url)
+                    done[mode].append(asyncio.run(run_round(url, batch, c, args.requests_per_client,
+                                                            args.max_tokens, args.timeout)))
+                    drafted, accepted = spec_counters(url)
+                    counters[mode][0] += drafted - drafted0
+                    counters[mode][1] += accepted - accepted0
             for mode in modes:
-                proc, url = servers[mode]
-                drafted0, accepted0 = spec_counters(url)
-                row = asyncio.run(run_level(url, c, args.requests_per_client, args.max_tokens, args.timeout))
-                drafted, accepted = spec_counters(url)
-                row.update(mode=mode, concurrency=c, rss_gib=round(rss_bytes(proc.pid) / 2 ** 30, 2),
-                           acceptance_rate=round((accepted - accepted0) / (drafted - drafted0), 3)
-                           if drafted > drafted0 else None)
+                every = [x for results, _ in done[mode] for x in results]
+                row = summarize(every, sum(seconds for _, seconds in done[mode]))
+                drafted, accepted = counters[mode]
+                row.update(mode=mode, concurrency=c, rounds=args.rounds,
+                           round_throughput=[round(sum(x["tokens"] for x in res if x["error"] is None) / sec, 3)
+                                             for res, sec in done[mode]],
+                           rss_gib=round(rss_bytes(servers[mode][0].pid) / 2 ** 30, 2),
+                           acceptance_rate=round(accepted / drafted, 3) if drafted else None)
                 rows.append(row)
                 print(f"{mode:10} c={c:<3} {row['throughput']:7.2f} tok/s  ttft {row['ttft_median']:.2f}/"
                       f"{row['ttft_p95']:.2f}s  tpot {row['tpot_median'] * 1e3:.0f}/{row['tpot_p95'] * 1e3:.0f}ms  "
-                      f"accept {row['acceptance_rate']}  rss {row['rss_gib']} GiB"
+                      f"accept {row['acceptance_rate']}  rss {row['rss_gib']} GiB  rounds {row['round_throughput']}"
                       + (f"  FAILED {len(row['errors'])}: {row['errors'][0]}" if row["errors"] else ""), flush=True)
-            level = {r["mode"]: r["throughput"] for r in rows if r["concurrency"] == c}
+            level = {x["mode"]: x for x in rows if x["concurrency"] == c}
             if "adaptive" in level and len(level) > 1:
-                best = max(v for m, v in level.items() if m != "adaptive")
-                print(f"{'':10} c={c:<3} adaptive / best of the others: {level['adaptive'] / best:.2f}", flush=True)
+                others = [m for m in level if m != "adaptive"]
+                best = max(level[m]["throughput"] for m in others)
+                per_round = [a / max(level[m]["round_throughput"][i] for m in others)
+                             for i, a in enumerate(level["adaptive"]["round_throughput"])]
+                level["adaptive"]["vs_best_other"] = round(level["adaptive"]["throughput"] / best, 3)
+                level["adaptive"]["vs_best_other_by_round"] = [round(x, 3) for x in per_round]
+                print(f"{'':10} c={c:<3} adaptive / best of the others: {level['adaptive']['vs_best_other']:.2f} "
+                      f"(by round: {' '.join(f'{x:.2f}' for x in per_round)})", flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    print(json.dumps({"benchmark": "load", "max_tokens": args.max_tokens, "results": rows}))
+    single = {x["mode"]: x["throughput"] for x in rows if x["concurrency"] == 1}
+    for x in rows:
+        if x["concurrency"] > 1 and x["mode"] in single:  # batched vs the same requests one client at a time
+            x["vs_single_client"] = round(x["throughput"] / single[x["mode"]], 3)
+    print(json.dumps({"benchmark": "load", "max_tokens": args.max_tokens, "rounds": args.rounds, "results": rows}))
 
 
 if __name__ == "__main__":

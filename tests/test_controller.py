@@ -217,6 +217,52 @@ def test_adaptive_does_not_probe_where_speculation_cannot_pay():
     assert [i + 1 for i in range(20) if ctl.choose(ests, cheap) == [1] * 8] == [2, 6, 14]
 
 
+def test_adaptive_does_not_probe_where_a_probe_could_not_switch_speculation_on():
+    """A batch where even acceptance `probe_rate` gains less than the switch margin over plain decoding (here
+    5% at one sequence: a draft forward costing half a target pass) is never probed: whatever a probe
+    measured, speculation would stay off. With a margin of 1.0, the same costs are probed."""
+    costs = costs_with(draft=0.5, verify={1: 1.0, 2: 1.0, 3: 1.4, 4: 1.8, 5: 2.2, 6: 2.6})
+    assert 1.9 / 1.5 / 1.0 > 1.1  # K = 1 at acceptance 0.9 would gain 27%: probed
+    ests = [AcceptanceEstimate(accepted=0.0, rejections=10.0)]
+    ctl = AdaptiveK(5, probe_interval=2)
+    assert [i + 1 for i in range(10) if ctl.choose(ests, costs) == [1]] == [2, 6]
+    slow = costs_with(draft=0.75, verify={1: 1.0, 2: 1.0, 3: 1.4, 4: 1.8, 5: 2.2, 6: 2.6})
+    ctl = AdaptiveK(5, probe_interval=2)
+    assert ctl.best_k([0.9], slow) == 1 and 1.0 < 1.9 / 1.75 < 1.1  # a gain of 8.6%: under the margin
+    assert all(ctl.choose(ests, slow) == [0] for _ in range(50))
+    ctl = AdaptiveK(5, probe_interval=2, switch_margin=1.0)
+    assert [i + 1 for i in range(10) if ctl.choose(ests, slow) == [1]] == [2, 6]
+
+
+def test_draft_prefill_time_is_measured_or_scaled_from_the_target():
+    costs = CostModel()
+    assert costs.draft_prefill_time(100) is None
+    costs.record_prefill("target", 100, 3.0)  # 30 ms a token
+    assert costs.draft_prefill_time(100) is None  # no draft/target ratio yet
+    costs.record_draft(1, 0.05)
+    costs.record_verify(1, 0.15)
+    assert costs.draft_prefill_time(100) == pytest.approx(1.0)  # a third of the target's, like one forward
+    costs.record_prefill("draft", 50, 0.6)
+    assert costs.draft_prefill_time(100) == pytest.approx(1.2)  # measured wins
+    costs.record_prefill("draft", 0, 0.0)  # nothing read: nothing recorded
+    assert costs.draft_prefill_time(100) == pytest.approx(1.2)
+
+
+def test_a_draft_reads_a_joining_prompt_only_where_the_time_saved_exceeds_the_reading():
+    """K = 1 at acceptance 0.9 with a draft forward at 0.1 of a pass: a token of this sequence costs
+    1.1 / 1.9 = 0.58 pass instead of 1, saving 0.42 pass a token. A prompt the draft reads in 10 passes pays
+    for 32 output tokens (13.5 passes saved), not for 16 (6.7); and never where speculation is off."""
+    costs = costs_with(draft=0.1, verify=1.0)
+    costs.record_prefill("draft", 100, 10.0)
+    ctl = AdaptiveK(1)
+    assert ctl.prompt_pays([0.9], costs, prompt_tokens=100, output_tokens=32)
+    assert not ctl.prompt_pays([0.9], costs, prompt_tokens=100, output_tokens=16)
+    assert ctl.prompt_pays([0.9], costs, prompt_tokens=30, output_tokens=16)  # a shorter prompt: 3 passes
+    assert not ctl.prompt_pays([0.1], costs, prompt_tokens=1, output_tokens=1000)  # speculation would not run
+    assert not ctl.prompt_pays([0.9], CostModel(), prompt_tokens=1, output_tokens=1000)  # nothing measured yet
+    assert ctl.prompt_pays([0.9], costs_with(draft=0.1, verify=1.0), 100, 16)  # reading time unknown: read
+
+
 # ------------------------------------------------------------------------------------------- engine, degraded draft
 def generate(engine: Engine, prompt: list[int], params: SamplingParams):
     engine.add_request("r", prompt, params)

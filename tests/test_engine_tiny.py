@@ -499,14 +499,18 @@ def test_the_draft_skips_prompts_joining_while_speculation_is_off():
     degraded = PermutedLogitsModel(varied_model(seed=0, dtype=torch.float32), seed=1)
     engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4), 4,
                     adaptive=True, max_model_len=MAX_LEN)
-    assert not engine._draft_reads_prompt()  # nothing measured: the first step is a probe (on a window)
+    engine.add_request("x", list(range(30, 60)), GREEDY)
+    joining = engine.waiting.popleft()
+    assert not engine._draft_reads_prompt(joining, 0)  # nothing measured: the first step is a probe (on a window)
     engine.costs.record_draft(1, 0.01)
     engine.costs.record_verify(1, 1.0)
     engine.costs.record_verify(2, 1.0)
-    assert engine._draft_reads_prompt()  # at the prior acceptance (0.6), a cheap draft pays
+    assert engine._draft_reads_prompt(joining, 0)  # at the prior acceptance (0.6), a cheap draft pays
+    engine.costs.record_prefill("draft", 10, 100.0)  # but not if reading takes longer than 40 tokens save
+    assert not engine._draft_reads_prompt(joining, 0)
     engine.costs = CostModel()
     generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    assert not engine._draft_reads_prompt()
+    assert not engine._draft_reads_prompt(joining, 0)
     prompt = tuple(range(30, 60))
     fed, original = widths_fed(degraded.inner)
     try:

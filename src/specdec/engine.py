@@ -334,24 +334,28 @@ class Engine:
         self.cache.advance(seq.row, stop - start)
         t1 = self._now()
         seq.metrics.prefill_time += t1 - t0
-        if hasattr(self.proposer, "prefill") and self._draft_reads_prompt():  # a draft model reads it too
-            self.proposer.prefill(seq, start, stop)
-            seq.metrics.draft_time += self._now() - t1
+        self.costs.record_prefill("target", stop - start, t1 - t0)
+        if hasattr(self.proposer, "prefill") and self._draft_reads_prompt(seq, start):  # a draft model reads it too
+            read = self.proposer.prefill(seq, start, stop)
+            t2 = self._now()
+            seq.metrics.draft_time += t2 - t1
+            self.costs.record_prefill("draft", read, t2 - t1)
         return stop - start
 
-    def _draft_reads_prompt(self) -> bool:
-        """Whether the batch a prompt joins will speculate, so that a draft model should read the prompt
-        (otherwise it is wasted work: a later probe restarts the draft on a short window). Fixed K: yes.
-        Adaptive: if K > 0 wins for the batch it will be in (the running sequences, this one and those
-        waiting behind it, up to max_batch_size; new ones at the mean acceptance so far); not before
-        anything is measured (the first step is a probe)."""
+    def _draft_reads_prompt(self, seq: Sequence, start: int) -> bool:
+        """Whether a draft model should read the prompt of `seq` from token `start` on (otherwise a later
+        speculative step restarts the draft on a short window). Fixed K: yes. Adaptive: if K > 0 wins for
+        the batch it will be in (the running sequences, this one and those waiting behind it, up to
+        max_batch_size; new ones at the mean acceptance so far), and the time saved over its `max_tokens`
+        exceeds the reading (`AdaptiveK.prompt_pays`); not before anything is measured (the first step is
+        a probe)."""
         B = min(self.max_batch_size, len(self.running) + 1 + len(self.waiting))
         if self.disable_by_batch_size is not None and B > self.disable_by_batch_size:
             return False
         if not self.controller.adaptive:
             return self.controller.k_max > 0
         rates = [s.estimate.rate for s in self.running] + [self.acceptance.rate] * (B - len(self.running))
-        return self.controller.next_k(rates, self.costs) > 0
+        return self.controller.prompt_pays(rates, self.costs, len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
 
     def _retire_finished(self) -> None:
         for seq in [s for s in self.running if s.finish_reason is not None]:

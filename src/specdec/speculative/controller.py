@@ -17,10 +17,17 @@ gain of `switch_margin` (10%) over plain decoding; once on, any gain keeps it on
 
 While K = 0 wins, the controller probes (K = 1) every `probe_interval` steps, the interval doubling up
 to `max_probe_interval` while probes keep losing, so that a draft that starts agreeing again is
-noticed. It does not probe when speculation could not pay at this batch size even with acceptance
-`probe_rate` (a large batch, where verification is no longer free): there is nothing to find out.
+noticed. It does not probe when even acceptance `probe_rate` would not switch speculation on at this
+batch size (a gain under `switch_margin`: a large batch, where verification is no longer free, or a
+draft that costs too much next to the target): there is nothing a probe could find out.
 Before anything is measured it probes too: a cheap step that measures a draft forward and a 2-row
 verification (longer drafts are then tried from those costs).
+
+A draft model reads a joining prompt only where that pays (`prompt_pays`): the batch will speculate, and
+the time speculation saves over the sequence's output exceeds the time the draft takes to read the
+prompt. Example: the draft reads 150 prompt tokens in 1.7 s; speculating saves 3 ms a token; for 48
+output tokens it saves 0.14 s: the prompt is not read (and speculation, if it comes, restarts the
+draft on a short window).
 
 Example: a = 0.8, t_draft / t_verify = 0.1 -> E(5) = 3.69 tokens for 1.5 pass-times: 2.46 tokens per
 pass-time, better than K = 0 (1.0) or K = 8 (4.33 / 1.8 = 2.40).
@@ -79,6 +86,7 @@ class CostModel:
         self.prior_slope = prior_slope
         self.draft: dict[int, float] = {}  # batch size -> seconds per draft forward
         self.verify: dict[int, float] = {}  # rows in the target pass -> seconds
+        self.prefill: dict[str, float] = {}  # "target" / "draft" -> seconds per prompt token
 
     def _update(self, table: dict[int, float], key: int, value: float) -> None:
         old = table.get(key)
@@ -110,6 +118,19 @@ class CostModel:
         # more rows never cost less, nor more than proportionally more
         low, high = sorted((table[k1], table[k1] * key / k1))
         return min(max(guess, low), high)
+
+    def record_prefill(self, model: str, tokens: int, seconds: float) -> None:
+        """Time taken by `model` ("target" or "draft") to read `tokens` prompt tokens."""
+        if tokens > 0:
+            self._update(self.prefill, model, seconds / tokens)
+
+    def draft_prefill_time(self, tokens: int) -> float | None:
+        """Seconds the draft takes to read `tokens` prompt tokens: measured, else the target's time scaled by
+        the draft/target cost of one forward; None when neither is known."""
+        per_token = self.prefill.get("draft")
+        if per_token is None and "target" in self.prefill and self.draft and self.verify:
+            per_token = self.prefill["target"] * self.draft_time(1) / self.verify_time(1)
+        return None if per_token is None else per_token * tokens
 
     def draft_time(self, batch_size: int) -> float | None:
         return self._estimate(self.draft, batch_size)
@@ -169,6 +190,23 @@ class AdaptiveK:
         once on, any gain keeps it on."""
         return self.best_k(rates, costs, 1.0 if self.on else self.switch_margin)
 
+    def prompt_pays(self, rates: list[float], costs: CostModel, prompt_tokens: int, output_tokens: int) -> bool:
+        """Whether a draft model should read a joining prompt of `prompt_tokens` tokens; `rates` are the
+        batch's acceptance rates, the joining sequence's last. Yes if the batch will speculate and, for the
+        `output_tokens` the sequence may generate, the batch's time per token of this sequence under the
+        best K beats plain decoding's by more than the reading costs. (Without the prompt the draft restarts
+        on a short window, which agrees less: speculation for this row is then counted as lost.)"""
+        k = self.next_k(rates, costs)
+        if k <= 0:
+            return False
+        reading = costs.draft_prefill_time(prompt_tokens)
+        if reading is None:
+            return True
+        B = len(rates)
+        plain = costs.verify_time(B)  # one token of this sequence per pass
+        spec = (k * costs.draft_time(B) + costs.verify_time(B * (k + 1))) / expected_tokens(rates[-1], k)
+        return output_tokens * (plain - spec) > reading
+
     def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel) -> list[int]:
         k = self.next_k([est.rate for est in estimates], costs)
         self.on = k > 0
@@ -179,7 +217,8 @@ class AdaptiveK:
             self.steps_off, self.probe_every = 0, self.probe_interval
         else:
             self.steps_off += 1
-            if self.steps_off >= self.probe_every and self.best_k([self.probe_rate] * len(estimates), costs) > 0:
+            if self.steps_off >= self.probe_every and \
+                    self.best_k([self.probe_rate] * len(estimates), costs, self.switch_margin) > 0:
                 self.steps_off = 0  # probe: is the draft agreeing again?
                 self.probe_every = min(2 * self.probe_every, self.max_probe_interval)
                 k, self.probing = 1, True

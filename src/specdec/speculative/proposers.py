@@ -141,12 +141,14 @@ class DraftModelProposer:
         weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
         return weights + self.cache.nbytes
 
-    def prefill(self, seq, start: int, stop: int) -> None:
+    def prefill(self, seq, start: int, stop: int) -> int:
         """Feed prompt tokens [start, stop) of `seq` (the chunk the target was just fed), in chunks of
-        `prefill_chunk`; nothing if the row is not at `start` (it catches up at its first proposal)."""
+        `prefill_chunk`; nothing if the row is not at `start` (it catches up at its first proposal).
+        Returns how many tokens it fed."""
         row = seq.row
         if self._consumed(row) != start:
-            return
+            return 0
+        fed = stop - start
         view = self.cache.row_view(row)
         device = self.model.device
         while start < stop:
@@ -156,6 +158,7 @@ class DraftModelProposer:
             view.advance(0, end - start)
             start = end
         self.cache.lengths[row] = view.lengths[0]
+        return fed
 
     def _time(self) -> float:
         if self._sync:
