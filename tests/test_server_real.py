@@ -109,7 +109,8 @@ def test_startup_and_models(url, server):
     _, _, log = server
     text = log.read_text()
     assert "speculation: method=draft_model" in text and "num_speculative_tokens=5, adaptive=False" in text and "qwen2.5-coder-0.5b-instruct" in text
-    assert "memory target_weights" in text and "memory draft_weights" in text and url + "/v1" in text
+    assert "  target weights " in text and "  draft weights " in text and "  draft KV cache " in text
+    assert "8 sequences of up to" in text and url + "/v1" in text
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == [TARGET]
 

@@ -1,6 +1,8 @@
-"""The engine's worker thread and its bridge to asyncio.
+"""The engine's loop and its bridge to asyncio.
 
-`Engine` is synchronous and not thread-safe, so exactly one thread drives it. Handlers talk to that thread
+`Engine` is synchronous and not thread-safe, so exactly one thread drives it: a thread of its own
+(`start()`), or the caller's (`run()`, which `specdec serve` uses for the main thread, the HTTP server
+running in another; see `run`). Handlers talk to that thread
 through a `queue.SimpleQueue` of commands (add, abort, stop); the thread answers each request through the
 request's own `asyncio.Queue`, filled with `loop.call_soon_threadsafe`. The event loop never waits on the
 model. With `max_waiting_requests=N` the thread refuses a request (QueueFullError) while N others wait for
@@ -98,9 +100,10 @@ class AsyncEngine:
     thread after each step with the step's outputs (e.g. to update Prometheus counters); they must not block.
     `max_waiting_requests` bounds `engine.num_queued()` (None: unbounded); running requests are never touched."""
 
-    def __init__(self, engine: Any, max_waiting_requests: int | None = None):
+    def __init__(self, engine: Any, max_waiting_requests: int | None = None, own_thread: bool = True):
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.own_thread = own_thread  # False: `run()` drives the loop in the caller's thread; `start()` does nothing
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = engine.tokenizer
@@ -110,6 +113,8 @@ class AsyncEngine:
         self._streams: dict[str, _Add] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self._stopping = False
+        self._driver: threading.Thread | None = None  # the thread in run(), with own_thread=False
+        self._done = threading.Event()  # the loop has ended (and failed what was in flight)
 
     # ---- the asyncio side ----------------------------------------------------------------------------
 
@@ -117,12 +122,26 @@ class AsyncEngine:
         self._listeners.append(fn)
 
     def start(self) -> None:
-        if self._thread.ident is None and not self._stopping:
+        if self.own_thread and self._thread.ident is None and not self._stopping:
             self._thread.start()
+
+    def run(self) -> None:
+        """Drive the engine in the calling thread until `shutdown()` (with own_thread=False).
+
+        Why the main thread: PyTorch's CPU ops run on an OpenMP team per calling thread, and a second
+        team (the main thread's, from loading the model) on a machine with few cores puts the worker
+        threads to sleep between ops instead of spinning; each of the hundreds of parallel ops of a
+        forward then waits for a wake-up. Measured on 2 cores: a 1-token decode step took ~20% longer
+        in a second thread than in the main thread."""
+        if self.own_thread:
+            raise RuntimeError("run() drives an AsyncEngine made with own_thread=False; this one has a thread")
+        self._driver = threading.current_thread()
+        self._run()
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        alive = self._thread.is_alive() if self.own_thread else not self._done.is_set()
+        return alive and not self._stopping
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns once the engine took it. Raises ValueError (e.g. too long for the
@@ -151,8 +170,13 @@ class AsyncEngine:
         more than once, and from a signal handler when `timeout == 0` (it then only asks)."""
         self._stopping = True
         self._inbox.put(_Stop())
-        if timeout and self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        if not timeout:
+            return
+        if self.own_thread:
+            if self._thread.is_alive() and threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+        elif self._driver is not None and threading.current_thread() is not self._driver:
+            self._done.wait(timeout)
 
     # ---- the engine thread ---------------------------------------------------------------------------
 
@@ -174,6 +198,7 @@ class AsyncEngine:
                     break
                 if isinstance(cmd, _Add):
                     _send(cmd, stopped)
+            self._done.set()
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""

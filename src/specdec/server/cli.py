@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from types import FrameType
 from typing import Any
 
@@ -31,8 +33,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                         help="target weight format (auto: int8 on CPUs without native bf16)")
-    parser.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
-                        help="sequences decoded together in one batch (default 1)")
+    parser.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
+                        help="sequences decoded together in one batch (default 8; fewer if the memory "
+                             "budget does not fit their KV cache)")
     parser.add_argument("--max-waiting-requests", type=_positive, default=None, metavar="N",
                         help="answer 503 (with Retry-After) to a request that finds N requests already waiting "
                              "for a free batch slot (default: no limit); running requests are never affected")
@@ -63,9 +66,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"specdec serve: {e}", file=sys.stderr)
         return 2
     names = args.served_model_name or [target]
-    _print_startup(llm.describe(), names, args)
+    _print_startup(llm.describe(), llm.memory_plan.report(), names, args)
     if args.dry_run:
-        print(llm.memory_plan.report())
         return 0
     return _serve(llm, names, args)
 
@@ -102,33 +104,46 @@ def _pull_if_needed(name_or_path: str) -> None:
 
 
 def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
+    """The engine loop in the main thread, the HTTP server (uvicorn) in another (see `AsyncEngine.run`).
+    SIGTERM/SIGINT abort the requests in flight at once (their streams end with an error event), so that
+    uvicorn's graceful shutdown, which waits for open responses, does not wait for whole generations; a
+    second SIGINT forces the exit."""
     import uvicorn
 
     from specdec.server.app import build_app
     from specdec.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests)
+    engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
     app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)  # outside the main thread uvicorn leaves the signals alone
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            # Abort in-flight requests at once (their streams end with an error event), so that uvicorn's
-            # graceful shutdown, which waits for open responses, does not wait for whole generations.
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # stopped, or failed to start (port taken): end the engine loop too
             engine.shutdown(timeout=0)
-            super().handle_exit(sig, frame)
 
-    server = Server(config)
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        engine.shutdown(timeout=0)
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http = threading.Thread(target=serve_http, name="specdec-http")
+    http.start()
     try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once shut down
-        pass
+        engine.run()
     finally:
-        engine.shutdown()
+        server.should_exit = True
+        http.join()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return 0 if server.started else 1
 
 
-def _print_startup(info: dict[str, Any], names: list[str], args: argparse.Namespace) -> None:
+def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], args: argparse.Namespace) -> None:
     spec = info.get("speculative")
     print(f"specdec serve: target {info.get('model')} ({info.get('model_path')})")
     print(f"  device {info.get('device')}, dtype {info.get('dtype')}, max_model_len {info.get('max_model_len')}")
@@ -137,8 +152,7 @@ def _print_startup(info: dict[str, Any], names: list[str], args: argparse.Namesp
         print(f"  speculation: {settings}")
     else:
         print("  speculation: off")
-    for part, n in (info.get("memory_bytes") or {}).items():
-        print(f"  memory {part}: {n / 2**20:.1f} MiB")
+    print("\n".join(f"  {line}" for line in memory_report.splitlines()))
     print(f"  served model name: {', '.join(names)}" + ("; API key required" if args.api_key else ""))
     if args.max_waiting_requests is not None:
         print(f"  at most {args.max_waiting_requests} requests wait for a free slot; more are answered 503")
