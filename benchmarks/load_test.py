@@ -125,21 +125,24 @@ def summarize(every: list[dict], elapsed: float) -> dict:
     def p95(xs):
         return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
 
-    return {"throughput": sum(r["tokens"] for r in flat) / elapsed, "seconds": round(elapsed, 2), "ttft_median": statistics.median(ttft),
+    return {"throughput": sum(r["tokens"] for r in flat) / elapsed, "seconds": round(elapsed, 2),
+            "ttft_median": statistics.median(ttft),
             "ttft_p95": p95(ttft), "tpot_median": statistics.median(tpot), "tpot_p95": p95(tpot),
             "requests": len(every), "errors": [r["error"] for r in every if r["error"] is not None]}
 
 
-def spec_counters(url: str) -> tuple[float, float]:
+def spec_counters(url: str) -> dict[str, float]:
+    """The server's speculation counters: drafts (steps that drafted), draft tokens, accepted tokens."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    values = {}
+    names = {"specdec:spec_decode_num_drafts_total": "drafts", "specdec:spec_decode_num_draft_tokens_total": "drafted",
+             "specdec:spec_decode_num_accepted_tokens_total": "accepted"}
+    values = dict.fromkeys(names.values(), 0.0)
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for sample in family.samples:
-            if sample.name in ("specdec:spec_decode_num_draft_tokens_total", "specdec:spec_decode_num_accepted_tokens_total"):
-                values[sample.name] = sample.value
-    return values.get("specdec:spec_decode_num_draft_tokens_total", 0.0), \
-        values.get("specdec:spec_decode_num_accepted_tokens_total", 0.0)
+            if sample.name in names:
+                values[names[sample.name]] = sample.value
+    return values
 
 
 def rss_bytes(pid: int) -> int:
@@ -171,22 +174,22 @@ def main() -> None:
         for c in levels:
             n = c * args.requests_per_client
             done: dict[str, list] = {mode: [] for mode in modes}  # per mode: (results, seconds) per round
-            counters = {mode: [0.0, 0.0] for mode in modes}  # drafted, accepted
+            counters = {mode: dict.fromkeys(("drafts", "drafted", "accepted"), 0.0) for mode in modes}
             for r in range(args.rounds):
                 batch = [texts[(r * n + i) % len(texts)] for i in range(n)]  # new prompts each round
                 for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # who goes first rotates
                     url = servers[mode][1]
-                    drafted0, accepted0 = spec_counters(url)
+                    before = spec_counters(url)
                     done[mode].append(asyncio.run(run_round(url, batch, c, args.requests_per_client,
                                                             args.max_tokens, args.timeout)))
-                    drafted, accepted = spec_counters(url)
-                    counters[mode][0] += drafted - drafted0
-                    counters[mode][1] += accepted - accepted0
+                    for name, value in spec_counters(url).items():
+                        counters[mode][name] += value - before[name]
             for mode in modes:
                 every = [x for results, _ in done[mode] for x in results]
                 row = summarize(every, sum(seconds for _, seconds in done[mode]))
-                drafted, accepted = counters[mode]
+                drafted, accepted = counters[mode]["drafted"], counters[mode]["accepted"]
                 row.update(mode=mode, concurrency=c, rounds=args.rounds,
+                           drafting_steps=int(counters[mode]["drafts"]),
                            round_throughput=[round(sum(x["tokens"] for x in res if x["error"] is None) / sec, 3)
                                              for res, sec in done[mode]],
                            rss_gib=round(rss_bytes(servers[mode][0].pid) / 2 ** 30, 2),
@@ -194,7 +197,8 @@ def main() -> None:
                 rows.append(row)
                 print(f"{mode:10} c={c:<3} {row['throughput']:7.2f} tok/s  ttft {row['ttft_median']:.2f}/"
                       f"{row['ttft_p95']:.2f}s  tpot {row['tpot_median'] * 1e3:.0f}/{row['tpot_p95'] * 1e3:.0f}ms  "
-                      f"accept {row['acceptance_rate']}  rss {row['rss_gib']} GiB  rounds {row['round_throughput']}"
+                      f"accept {row['acceptance_rate']} ({row['drafting_steps']} drafting steps)  "
+                      f"rss {row['rss_gib']} GiB  rounds {row['round_throughput']}"
                       + (f"  FAILED {len(row['errors'])}: {row['errors'][0]}" if row["errors"] else ""), flush=True)
             level = {x["mode"]: x for x in rows if x["concurrency"] == c}
             if "adaptive" in level and len(level) > 1:

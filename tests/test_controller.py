@@ -187,7 +187,13 @@ def test_adaptive_probes_while_off_with_a_doubling_interval():
     for _ in range(10):
         est.update(num_drafted=1, num_accepted=1, decay=ctl.decay)
     assert ctl.choose([est], cheap)[0] > 0 and not ctl.probing
-    assert (ctl.steps_off, ctl.probe_every) == (0, 5)
+    # the interval resets once speculation has stayed on for probe_interval steps, not at once: a probe
+    # that turns it on for a step or two counts as a losing one
+    assert (ctl.steps_off, ctl.probe_every) == (0, 20)
+    for _ in range(3):
+        assert ctl.choose([est], cheap)[0] > 0
+    assert ctl.probe_every == 20
+    assert ctl.choose([est], cheap)[0] > 0 and ctl.probe_every == 5
 
 
 def test_adaptive_turns_speculation_on_only_for_a_clear_gain_and_keeps_it_while_it_gains():
@@ -232,6 +238,23 @@ def test_adaptive_does_not_probe_where_a_probe_could_not_switch_speculation_on()
     assert all(ctl.choose(ests, slow) == [0] for _ in range(50))
     ctl = AdaptiveK(5, probe_interval=2, switch_margin=1.0)
     assert [i + 1 for i in range(10) if ctl.choose(ests, slow) == [1]] == [2, 6]
+
+
+def test_a_probe_is_made_only_where_the_remaining_output_can_pay_for_it():
+    """At acceptance 0.9 K = 5 would emit 4.69 tokens per 2.5 pass-times: 0.467 pass-time saved per token.
+    A probe costs a draft step (0.1), the wider pass (0.2) and the restart on a 16-token window (1.6 at
+    0.1 a token): 1.9, repaid by 5 remaining tokens, not by 4. Without a restart, 1 token repays it."""
+    costs = costs_with(draft=0.1, verify={1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 5: 1.8, 6: 2.0})
+    costs.record_prefill("draft", 100, 10.0)
+    ctl = AdaptiveK(5, probe_interval=1)
+    assert ctl.best_k([0.9], costs) == 5 and expected_tokens(0.9, 5) == pytest.approx(4.69, abs=0.01)
+    assert not ctl.probe_pays(costs, 1, remaining=[4], restart_tokens=16)
+    assert ctl.probe_pays(costs, 1, remaining=[5], restart_tokens=16)
+    assert ctl.probe_pays(costs, 1, remaining=[1], restart_tokens=0)
+    assert ctl.probe_pays(costs, 1)  # nothing known of the output: only the margin counts
+    ests = [AcceptanceEstimate(accepted=0.0, rejections=10.0)]
+    assert all(ctl.choose(ests, costs, remaining=[4], restart_tokens=16) == [0] for _ in range(10))
+    assert ctl.choose(ests, costs, remaining=[5], restart_tokens=16) == [1] and ctl.probing
 
 
 def test_draft_prefill_time_is_measured_or_scaled_from_the_target():

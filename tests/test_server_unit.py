@@ -597,6 +597,39 @@ def test_async_engine_shutdown_ends_streams():
     assert not async_engine.healthy
 
 
+def test_async_engine_run_drives_the_loop_in_the_calling_thread():
+    """own_thread=False (what `specdec serve` does with its main thread): `start()` starts nothing, `run()`
+    steps the engine in the caller's thread until `shutdown()`, which, called from another thread, waits
+    for the loop to end and fail what is in flight."""
+    engine = FakeEngine(step_delay=0.01, tokens_per_step=1)
+    async_engine = AsyncEngine(engine, own_thread=False)
+    async_engine.start()
+    assert not async_engine._thread.is_alive()
+    stepped_in = []
+    async_engine.add_step_listener(lambda outputs: stepped_in.append(threading.current_thread().name))
+    driver = threading.Thread(target=async_engine.run, name="driver")
+    driver.start()
+
+    async def main():
+        stream = await async_engine.add_request("r1", list(b"hi"), SamplingParams(max_tokens=50))
+        assert "".join([out.new_text async for out in stream]) == reply_for("hi")
+        long = await async_engine.add_request("r2", list(b"hello"), SamplingParams(max_tokens=50))
+        outputs = long.__aiter__()
+        await outputs.__anext__()
+        assert async_engine.healthy and set(stepped_in) == {"driver"}
+        await asyncio.to_thread(async_engine.shutdown)  # from another thread: waits for the loop to end
+        assert async_engine._done.is_set() and not async_engine.healthy
+        with pytest.raises(EngineStoppedError):
+            async for _ in outputs:
+                pass
+
+    asyncio.run(main())
+    driver.join(5)
+    assert not driver.is_alive()
+    with pytest.raises(RuntimeError, match="own_thread=False"):
+        AsyncEngine(FakeEngine()).run()
+
+
 def test_async_engine_refusal_is_a_value_error():
     async_engine = AsyncEngine(FakeEngine(max_model_len=8))
     async_engine.start()

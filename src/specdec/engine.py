@@ -177,7 +177,9 @@ class Engine:
     def _choose_k(self, seqs: list[Sequence]) -> list[int]:
         if self.disable_by_batch_size is not None and len(seqs) > self.disable_by_batch_size:
             return [0] * len(seqs)
-        ks = self.controller.choose([s.estimate for s in seqs], self.costs)
+        ks = self.controller.choose([s.estimate for s in seqs], self.costs,
+                                    remaining=[s.params.max_tokens - s.num_output for s in seqs],
+                                    restart_tokens=getattr(self.proposer, "window", 0))
         # never draft past max_tokens (a pass emits k + 1 tokens) or past the context
         return [
             max(0, min(k, s.params.max_tokens - s.num_output - 1, self.max_model_len - len(s.tokens) - 1))

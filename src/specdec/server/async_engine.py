@@ -96,8 +96,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs `engine` in a daemon thread. Listeners added with `add_step_listener(fn)` are called in that
-    thread after each step with the step's outputs (e.g. to update Prometheus counters); they must not block.
+    """Runs `engine` in a daemon thread (`start()`), or, with `own_thread=False`, in the thread that calls
+    `run()`. Listeners added with `add_step_listener(fn)` are called in that thread after each step with
+    the step's outputs (e.g. to update Prometheus counters); they must not block.
     `max_waiting_requests` bounds `engine.num_queued()` (None: unbounded); running requests are never touched."""
 
     def __init__(self, engine: Any, max_waiting_requests: int | None = None, own_thread: bool = True):

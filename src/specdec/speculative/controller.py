@@ -17,15 +17,20 @@ gain of `switch_margin` (10%) over plain decoding; once on, any gain keeps it on
 
 While K = 0 wins, the controller probes (K = 1) every `probe_interval` steps, the interval doubling up
 to `max_probe_interval` while probes keep losing, so that a draft that starts agreeing again is
-noticed. It does not probe when even acceptance `probe_rate` would not switch speculation on at this
-batch size (a gain under `switch_margin`: a large batch, where verification is no longer free, or a
-draft that costs too much next to the target): there is nothing a probe could find out.
+noticed. The interval is reset only once speculation has stayed on for `probe_interval` steps: a probe
+that turns it on for a few steps, until the estimate drops again, counts as a losing one.
+A probe is made only where it can pay (`probe_pays`). Not where even acceptance `probe_rate` would not
+switch speculation on at this batch size (a gain under `switch_margin`: a large batch, where
+verification is no longer free, or a draft that costs too much next to the target): there is nothing
+to find out. And not where its cost (a draft step, a wider pass, a draft model's restart on a window of
+`restart_tokens` per row) exceeds what speculation at acceptance `probe_rate` would save over the
+batch's remaining output: near the end of short requests.
 Before anything is measured it probes too: a cheap step that measures a draft forward and a 2-row
 verification (longer drafts are then tried from those costs).
 
 A draft model reads a joining prompt only where that pays (`prompt_pays`): the batch will speculate, and
 the time speculation saves over the sequence's output exceeds the time the draft takes to read the
-prompt. Example: the draft reads 150 prompt tokens in 1.7 s; speculating saves 3 ms a token; for 48
+prompt. Example: the draft reads 150 prompt tokens in about 2 s; speculating saves 3 ms a token; for 48
 output tokens it saves 0.14 s: the prompt is not read (and speculation, if it comes, restarts the
 draft on a short window).
 
@@ -147,7 +152,8 @@ class FixedK:
     def __init__(self, k: int) -> None:
         self.k_max = k
 
-    def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel) -> list[int]:
+    def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel, remaining: list[int] | None = None,
+               restart_tokens: int = 0) -> list[int]:
         return [self.k_max] * len(estimates)
 
 
@@ -166,6 +172,7 @@ class AdaptiveK:
         self.decay = decay
         self.probe_rate = probe_rate
         self.steps_off = 0  # steps since speculation was last on (or probed)
+        self.steps_on = 0  # steps speculation has been on in a row
         self.probe_every = probe_interval  # steps between probes while off; doubles while probes lose
         self.probing = False  # this step's draft is a probe
 
@@ -207,18 +214,44 @@ class AdaptiveK:
         spec = (k * costs.draft_time(B) + costs.verify_time(B * (k + 1))) / expected_tokens(rates[-1], k)
         return output_tokens * (plain - spec) > reading
 
-    def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel) -> list[int]:
+    def probe_pays(self, costs: CostModel, batch_size: int, remaining: list[int] | None = None,
+                   restart_tokens: int = 0) -> bool:
+        """Whether a probe could pay at this batch size: acceptance `probe_rate` would switch speculation on,
+        and what that saves over the mean `remaining` output tokens of the batch exceeds the probe's cost
+        (a draft step, the pass's extra rows, re-reading `restart_tokens` per row). Without `remaining`,
+        the first condition only."""
+        B = batch_size
+        k = self.best_k([self.probe_rate] * B, costs, self.switch_margin)
+        if k <= 0:
+            return False
+        if not remaining:
+            return True
+        t_plain = costs.verify_time(B)  # per token of a sequence: plain decoding
+        t_spec = (k * costs.draft_time(B) + costs.verify_time(B * (k + 1))) / expected_tokens(self.probe_rate, k)
+        saving = sum(remaining) / len(remaining) * (t_plain - t_spec)
+        restart = costs.draft_prefill_time(B * restart_tokens) or 0.0
+        cost = costs.draft_time(B) + costs.verify_time(2 * B) - t_plain + restart
+        return saving > cost
+
+    def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel, remaining: list[int] | None = None,
+               restart_tokens: int = 0) -> list[int]:
+        """One K for the batch (all entries equal). `remaining`: each sequence's output tokens still to come
+        (they bound what a probe can win); `restart_tokens`: what a draft model re-reads per row when it
+        restarts (its window)."""
         k = self.next_k([est.rate for est in estimates], costs)
         self.on = k > 0
         self.probing = False
         if k < 0:  # nothing measured yet: one cheap probe (K = 1) measures a draft step and a 2-row pass
             k, self.probing = 1, True
         elif k > 0:
-            self.steps_off, self.probe_every = 0, self.probe_interval
+            self.steps_off, self.steps_on = 0, self.steps_on + 1
+            if self.steps_on >= self.probe_interval:  # it has paid for a while: notice the next change quickly
+                self.probe_every = self.probe_interval
         else:
+            self.steps_on = 0
             self.steps_off += 1
             if self.steps_off >= self.probe_every and \
-                    self.best_k([self.probe_rate] * len(estimates), costs, self.switch_margin) > 0:
+                    self.probe_pays(costs, len(estimates), remaining, restart_tokens):
                 self.steps_off = 0  # probe: is the draft agreeing again?
                 self.probe_every = min(2 * self.probe_every, self.max_probe_interval)
                 k, self.probing = 1, True
