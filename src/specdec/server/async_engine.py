@@ -129,11 +129,13 @@ class AsyncEngine:
     def run(self) -> None:
         """Drive the engine in the calling thread until `shutdown()` (with own_thread=False).
 
-        Why the main thread: PyTorch's CPU ops run on an OpenMP team per calling thread, and a second
-        team (the main thread's, from loading the model) on a machine with few cores puts the worker
-        threads to sleep between ops instead of spinning; each of the hundreds of parallel ops of a
-        forward then waits for a wake-up. Measured on 2 cores: a 1-token decode step took ~20% longer
-        in a second thread than in the main thread."""
+        Why `specdec serve` gives it the main thread, the one that loaded the model: measured on 2 cores, a
+        1-token decode step took ~20% longer in a second thread than in the main thread, and the server's
+        time per output token at one client went from 180-230 ms to 148-167 ms once the engine ran there.
+        The likely cause: PyTorch's CPU ops run on an OpenMP team per calling thread, and with a second
+        team on a machine with few cores the workers sleep between ops instead of spinning (forcing them
+        to spin made the second thread slower still), so each of the hundreds of ops of a forward waits
+        for a wake-up."""
         if self.own_thread:
             raise RuntimeError("run() drives an AsyncEngine made with own_thread=False; this one has a thread")
         self._driver = threading.current_thread()
