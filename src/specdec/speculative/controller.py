@@ -93,7 +93,7 @@ class CostModel:
         self.verify: dict[int, float] = {}  # rows in the target pass -> seconds
         self.prefill: dict[str, float] = {}  # "target" / "draft" -> seconds per prompt token
 
-    def _update(self, table: dict[int, float], key: int, value: float) -> None:
+    def _update(self, table: dict, key: int | str, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else old + self.smoothing * (value - old)
 
@@ -209,10 +209,15 @@ class AdaptiveK:
         reading = costs.draft_prefill_time(prompt_tokens)
         if reading is None:
             return True
-        B = len(rates)
-        plain = costs.verify_time(B)  # one token of this sequence per pass
-        spec = (k * costs.draft_time(B) + costs.verify_time(B * (k + 1))) / expected_tokens(rates[-1], k)
-        return output_tokens * (plain - spec) > reading
+        return output_tokens * self._saving_per_token(costs, len(rates), k, rates[-1]) > reading
+
+    @staticmethod
+    def _saving_per_token(costs: CostModel, batch_size: int, k: int, rate: float) -> float:
+        """Batch time saved per output token of one sequence by drafting k tokens at acceptance `rate`:
+        plain decoding gives it one token per pass, speculation E(rate, k) per (k drafts + a wider pass)."""
+        B = batch_size
+        spec = (k * costs.draft_time(B) + costs.verify_time(B * (k + 1))) / expected_tokens(rate, k)
+        return costs.verify_time(B) - spec
 
     def probe_pays(self, costs: CostModel, batch_size: int, remaining: list[int] | None = None,
                    restart_tokens: int = 0) -> bool:
@@ -226,11 +231,9 @@ class AdaptiveK:
             return False
         if not remaining:
             return True
-        t_plain = costs.verify_time(B)  # per token of a sequence: plain decoding
-        t_spec = (k * costs.draft_time(B) + costs.verify_time(B * (k + 1))) / expected_tokens(self.probe_rate, k)
-        saving = sum(remaining) / len(remaining) * (t_plain - t_spec)
+        saving = sum(remaining) / len(remaining) * self._saving_per_token(costs, B, k, self.probe_rate)
         restart = costs.draft_prefill_time(B * restart_tokens) or 0.0
-        cost = costs.draft_time(B) + costs.verify_time(2 * B) - t_plain + restart
+        cost = costs.draft_time(B) + costs.verify_time(2 * B) - costs.verify_time(B) + restart
         return saving > cost
 
     def choose(self, estimates: list[AcceptanceEstimate], costs: CostModel, remaining: list[int] | None = None,
