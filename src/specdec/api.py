@@ -22,8 +22,8 @@ from specdec.engine import Engine
 from specdec.heads.modules import head_bytes, load_heads, resolve_heads
 from specdec.memory import device_memory, plan_memory
 from specdec.models.llama import Transformer
-from specdec.models.loading import cpu_has_native_bf16, load_checkpoint, resolve_dtype
-from specdec.models.quant import quantize_linears, resolve_quantization
+from specdec.models.loading import load_checkpoint, load_quantized, resolve_dtype
+from specdec.models.quant import BLOCK_FORMATS, quantize_linears, resolve_quantization
 from specdec.models.store import resolve_model
 from specdec.models.tokenizer import Tokenizer
 from specdec.outputs import RequestOutput
@@ -47,6 +47,10 @@ def load_model(
 ) -> tuple[Transformer, Tokenizer, Path]:
     """Load a checkpoint (path or known name); quantized weights run with bf16 activations."""
     path = resolve_model(name_or_path)
+    if quantization in BLOCK_FORMATS:
+        _, model, tokenizer = load_quantized(path, quantization, torch.bfloat16)
+        model.requires_grad_(False)
+        return model, tokenizer, path
     if quantization != "none":
         dtype = torch.bfloat16
     config, state_dict, tokenizer = load_checkpoint(path, dtype, device)
@@ -108,7 +112,7 @@ class LLM:
         memory_utilization: float = 0.9,
     ) -> None:
         self.device = torch.device(device) if device else default_device()
-        self.quantization = resolve_quantization(quantization, self.device, cpu_has_native_bf16())
+        self.quantization = resolve_quantization(quantization, self.device)
         self.dtype = torch.bfloat16 if self.quantization != "none" else resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
         self.target, self.tokenizer, self.target_path = load_model(model, self.dtype, self.device, self.quantization)
@@ -152,7 +156,7 @@ class LLM:
         spec = self.spec
         if spec is None or spec.method != "draft_model" or spec.num_speculative_tokens == 0:
             return None
-        self.draft_quantization = resolve_quantization(spec.draft_quantization, self.device, native_bf16=False)
+        self.draft_quantization = resolve_quantization(spec.draft_quantization, self.device)
         draft_dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
         draft, draft_tokenizer, _ = load_model(spec.model, draft_dtype, self.device, self.draft_quantization)
         check_draft_compatible(self.tokenizer, draft_tokenizer, self.target.config, draft.config)

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from specdec.config import QUANTIZATIONS
+
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by generate and serve, with vLLM's names."""
@@ -14,8 +16,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, help="draft length K (fixed; without it K adapts up to 5)")
     parser.add_argument("--speculative-config", help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="target weight format (auto: int8 on CPUs without native bf16)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="target weight format (auto: on CPU the GGUF's own blocks, Q8_0 for safetensors; "
+                             "on CUDA none)")
     parser.add_argument("--max-model-len", type=int, help="context length (default 4096)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--memory-utilization", type=float, default=0.9,
@@ -108,14 +111,14 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
     from specdec.api import default_device, load_model
     from specdec.heads.train import DEFAULT_DATA, TrainConfig, train_heads
-    from specdec.models.loading import cpu_has_native_bf16, resolve_dtype
+    from specdec.models.loading import resolve_dtype
     from specdec.models.quant import resolve_quantization
     from specdec.models.store import KNOWN_MODELS, pull
 
     if args.model in KNOWN_MODELS:
         pull(args.model)
     device = torch.device(args.device) if args.device else default_device()
-    quantization = resolve_quantization(args.quantization, device, cpu_has_native_bf16())
+    quantization = resolve_quantization(args.quantization, device)
     dtype = torch.bfloat16 if quantization != "none" else resolve_dtype(args.dtype, device)
     target, tokenizer, _ = load_model(args.model, dtype, device, quantization)
     cfg = TrainConfig(
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--cls-weight", type=float, default=0.1, help="EAGLE: token loss weight (feature loss: 1)")
     heads.add_argument("--data-dir", help="the prompt sets (default ../shared/data)")
     heads.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
-    heads.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    heads.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     heads.add_argument("--device")
     heads.set_defaults(func=cmd_train_heads)
 

@@ -9,6 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+# weight formats (see specdec.models.quant.resolve_quantization)
+QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "int8", "int4")
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -172,8 +175,8 @@ class SpeculativeConfig:
             isinstance(self.tree, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in self.tree)
         ):
             raise ValueError('tree must be "default", "dynamic" or a list of paths of child ranks, e.g. [[0], [1], [0, 0]]')
-        if self.draft_quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"draft_quantization must be auto, none, int8 or int4, got {self.draft_quantization!r}")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.draft_quantization!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":

@@ -31,6 +31,8 @@ from torch import nn
 from specdec.cache import KVCache
 from specdec.config import ModelConfig
 from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
+from specdec.models.qlinear import QuantEmbedding, QuantLinear
+from specdec.models.quant import Int8Linear
 
 HEAD_METHODS = ("medusa", "eagle")
 
@@ -98,11 +100,20 @@ def target_fingerprint(target) -> str:
     digest = hashlib.sha256(
         json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads]).encode()
     )
-    embed = target.model.embed_tokens.weight
-    stride = max(1, embed.shape[0] // 256)
-    for t in (embed[::stride], target.model.norm.weight):
+    embed = target.model.embed_tokens  # an nn.Embedding or a QuantEmbedding: rows by lookup
+    stride = max(1, c.vocab_size // 256)
+    rows = embed(torch.arange(0, c.vocab_size, stride, device=target.device))
+    for t in (rows, target.model.norm.weight):
         digest.update(t.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def embedding_table(target) -> torch.Tensor:
+    """The target's whole embedding table as a new float32 tensor [vocab, hidden] (for training)."""
+    embed = target.model.embed_tokens
+    if isinstance(embed, QuantEmbedding):
+        return embed.dequantize_rows(torch.arange(target.config.vocab_size))
+    return embed.weight.detach().float().clone()
 
 
 def output_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -110,9 +121,11 @@ def output_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
     lm_head = target.lm_head
     if isinstance(lm_head, nn.Linear):
         return lm_head.weight.detach()[vocab_ids].float()
-    if hasattr(lm_head, "qweight"):  # Int8Linear: per-channel scales
+    if isinstance(lm_head, QuantLinear):  # GGUF blocks
+        return lm_head.dequantize_rows(vocab_ids.cpu()).to(vocab_ids.device)
+    if isinstance(lm_head, Int8Linear):  # per-channel scales
         return lm_head.qweight[vocab_ids].float() * lm_head.scale[vocab_ids].float()[:, None]
-    raise ValueError(f"draft heads need a float or int8 output layer, not {type(lm_head).__name__}")
+    raise ValueError(f"draft heads need a float, block or int8 output layer, not {type(lm_head).__name__}")
 
 
 class _Head(nn.Module):
@@ -176,11 +189,11 @@ class EagleHead(_Head):
         self.layer = DecoderLayer(config.layer_config(), 0)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.layer_config()), persistent=False)
-        self.register_buffer("embed_weight", torch.zeros(0, H), persistent=False)
+        self.embed = None  # the target's token embedding lookup, set by attach (not a submodule: not saved)
 
     def attach(self, target) -> "EagleHead":
         super().attach(target)
-        self.embed_weight = target.model.embed_tokens.weight.detach()
+        self.embed = target.model.embed_tokens.forward
         self.inv_freq = rope_inv_freq(self.config.layer_config()).to(target.device)
         return self
 
@@ -198,7 +211,7 @@ class EagleHead(_Head):
         """The predicted hidden state of token t + 1, [B, T, H]. Like `Transformer.forward`, writes the new
         K/V past each row's committed length and commits nothing."""
         dtype = self.fc.weight.dtype
-        x = torch.cat([features.to(dtype), nn.functional.embedding(next_tokens, self.embed_weight).to(dtype)], -1)
+        x = torch.cat([features.to(dtype), self.embed(next_tokens).to(dtype)], -1)
         cos, sin, write_slots, full_mask, key_index = attention_inputs(cache, positions, mask, self.inv_freq, dtype)
         h = self.layer(self.fc(x), cos, sin, cache, write_slots, full_mask, key_index)
         return self.norm(h)

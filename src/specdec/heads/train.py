@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specdec.config import SamplingParams
-from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, save_heads
+from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, embedding_table, save_heads
 
 DEFAULT_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
 
@@ -279,7 +279,8 @@ def _train(target, target_name: str, cfg: TrainConfig, shards: list[Path], extra
     head.float().attach(target)
     head.lm_rows = head.lm_rows.float().clone()  # a normal tensor (the target may run in inference mode)
     if isinstance(head, EagleHead):
-        head.embed_weight = head.embed_weight.float().clone()
+        table = embedding_table(target)  # a normal float tensor (the target may run in inference mode)
+        head.embed = lambda ids: F.embedding(ids, table)
     head.to("cpu")
     to_reduced = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
     to_reduced[vocab_ids] = torch.arange(len(vocab_ids))

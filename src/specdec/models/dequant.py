@@ -164,3 +164,19 @@ def dequantize(raw: np.ndarray, qtype: int | GGMLQuantizationType, shape: Sequen
     if out.numel() != numel:
         raise ValueError(f"{qtype.name} tensor of shape {list(shape)} has {out.numel()} values")
     return out.reshape(*shape)
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: int | GGMLQuantizationType, row_len: int) -> torch.Tensor:
+    """Rows of a GGUF matrix as float32: blocks uint8 [n, row_bytes] (whole rows of blocks) -> [n, row_len].
+
+    Example: the embeddings of tokens `ids` are `dequantize_rows(table[ids], Q4_K, hidden)`.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    n = blocks.shape[0]
+    if qtype in _PLAIN:
+        return blocks.contiguous().view(_PLAIN[qtype]).float().reshape(n, row_len)
+    if qtype not in _BLOCK_KERNELS:
+        names = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise NotImplementedError(f"GGUF tensor type {qtype.name} is not supported; specdec reads {names}")
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    return _BLOCK_KERNELS[qtype](blocks.reshape(-1, type_size)).reshape(n, row_len)

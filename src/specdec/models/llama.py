@@ -125,6 +125,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        # Q, K and V as one matrix (set by `fuse_qkv`): one pass over the activations instead of three
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+
+    def fuse_qkv(self, qkv_proj: nn.Module) -> None:
+        """Use one module computing concat(q, k, v) in place of q_proj, k_proj and v_proj."""
+        self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv_proj, None, None, None
 
     def forward(
         self,
@@ -137,9 +144,13 @@ class Attention(nn.Module):
         key_index: torch.Tensor | None = None,  # [B, T, S] the cache slot of each query's key s (tree passes)
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -206,8 +217,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one matrix (set by `fuse_gate_up`)
+
+    def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
+        """Use one module computing concat(gate, up) in place of gate_proj and up_proj."""
+        self.gate_up_proj, self.gate_proj, self.up_proj = gate_up_proj, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -255,17 +274,17 @@ class Transformer(nn.Module):
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        device = model.model.embed_tokens.weight.device
-        model.inv_freq = rope_inv_freq(config).to(device)
+        model.inv_freq = rope_inv_freq(config).to(model.device)
         return model.eval()
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype (the norms are kept in it, whatever the format of the matrices)."""
+        return self.model.norm.weight.dtype
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache(self.config, batch_size, capacity, self.dtype, self.device)

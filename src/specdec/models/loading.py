@@ -8,10 +8,12 @@ then reloads in about a second.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +22,14 @@ import torch
 from gguf import GGUFReader
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 from tqdm import tqdm
 
 from specdec.config import ModelConfig
-from specdec.models.dequant import dequantize
+from specdec.kernels.qgemm import quantize_q8_0
+from specdec.models.dequant import dequantize, dequantize_rows
+from specdec.models.llama import Transformer, rope_inv_freq
+from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear, kernel_blocks
 from specdec.models.tokenizer import Tokenizer, gguf_eos_token_ids, gguf_field
 
 MAX_SHARD_BYTES = 4 << 30
@@ -306,3 +312,120 @@ def _write_shards(reader: GGUFReader, config: ModelConfig, folder: Path, progres
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+# ---- quantized models: weights in GGUF blocks ----------------------------------------------------
+
+
+class _GGUFSource:
+    """A GGUF's tensors by Hugging Face name, as memory-mapped uint8 rows of blocks (no copy)."""
+
+    def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
+        self.tensors = {hf_name(t.name): t for t in reader.tensors}
+        arch = gguf_field(reader, "general.architecture")
+        self.heads = {}
+        if arch in ROPE_PERMUTED:
+            self.heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def _rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        kind = name.split(".")[-2]
+        return unpermute_rope(w, self.heads[kind]).contiguous() if kind in self.heads else w
+
+    def blocks(self, name: str) -> tuple[torch.Tensor, int, int]:
+        """(uint8 [rows, row_bytes], GGML type, values per row)."""
+        t = self.tensors[name]
+        rows, row_len = (int(d) for d in reversed(t.shape))
+        raw = torch.from_numpy(t.data.reshape(-1).view(np.uint8)).reshape(rows, -1)
+        return self._rows(name, raw), int(t.tensor_type), row_len
+
+    def vector(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        return self._rows(name, dequantize(t.data, t.tensor_type, (int(t.n_elements),)))
+
+
+class _FloatSource:
+    """A float state dict, quantized to Q8_0 matrix by matrix as the model is built."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def blocks(self, name: str) -> tuple[torch.Tensor, int, int]:
+        w = self.weights.pop(name)  # the float copy is freed as soon as it is quantized
+        return quantize_q8_0(w), Q8_0, int(w.shape[1])
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.weights[name].float()
+
+
+def load_quantized(
+    path: str | Path, method: str = "gguf", dtype: torch.dtype = torch.bfloat16
+) -> tuple[ModelConfig, Transformer, Tokenizer]:
+    """A model whose matrices run on specdec's block kernels, activations in `dtype`.
+
+    method `gguf`: a GGUF's own blocks, used in place from a memory map (types the kernels lack are
+    requantized to Q8_0); `q8_0`: every matrix requantized to Q8_0. A Hugging Face folder (float
+    safetensors) is quantized to Q8_0 with either method.
+    """
+    if method not in ("gguf", "q8_0"):
+        raise ValueError(f"unknown block format {method!r}; choose gguf or q8_0")
+    path = _checked_path(path)
+    if path.suffix == ".gguf":
+        with warnings.catch_warnings():  # read-only map: the tensors are never written
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            reader = GGUFReader(path)
+            config = gguf_config(reader)
+            model = build_quantized(config, _GGUFSource(reader, config), dtype, requantize=method == "q8_0")
+        return config, model, Tokenizer.from_gguf(reader)
+    config = hf_config(path)
+    weights = load_safetensors(path, config, torch.float32, "cpu")
+    return config, build_quantized(config, _FloatSource(weights), dtype), Tokenizer.from_folder(path)
+
+
+def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize: bool = False) -> Transformer:
+    """A Transformer with QuantLinear matrices (Q/K/V fused, gate/up fused) and a QuantEmbedding."""
+    with torch.device("meta"):
+        model = Transformer(config)
+
+    def linear(names: list[str], bias_names: list[str] | None = None) -> QuantLinear:
+        parts = []
+        for name in names:
+            blocks, qtype, row_len = source.blocks(name)
+            if requantize and qtype != Q8_0:
+                blocks, qtype = quantize_q8_0(dequantize_rows(blocks, qtype, row_len)), Q8_0
+            parts.append(kernel_blocks(blocks, qtype, row_len))
+        bias = torch.cat([source.vector(n) for n in bias_names]) if bias_names else None
+        return QuantLinear(parts, row_len, bias)
+
+    def norm(name: str) -> nn.Parameter:
+        return nn.Parameter(source.vector(name).to(dtype), requires_grad=False)
+
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = [f"{attn}{x}_proj.weight" for x in "qkv"]
+        bias = [f"{attn}{x}_proj.bias" for x in "qkv"] if config.attention_bias else None
+        layer.self_attn.fuse_qkv(linear(qkv, bias))
+        layer.self_attn.o_proj = linear([attn + "o_proj.weight"])
+        layer.mlp.fuse_gate_up(linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
+        layer.mlp.down_proj = linear([mlp + "down_proj.weight"])
+        layer.input_layernorm.weight = norm(p + "input_layernorm.weight")
+        layer.post_attention_layernorm.weight = norm(p + "post_attention_layernorm.weight")
+    model.model.norm.weight = norm("model.norm.weight")
+    head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
+    model.lm_head = linear([head])  # before the embedding: a float source hands each matrix over once
+    if head == "model.embed_tokens.weight":
+        table, qtype = model.lm_head.blocks[0], model.lm_head.types[0]
+    else:
+        table, qtype, _ = source.blocks("model.embed_tokens.weight")
+    model.model.embed_tokens = QuantEmbedding(table, qtype, config.vocab_size, config.hidden_size, dtype)
+    model.inv_freq = rope_inv_freq(config)
+    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(f"checkpoint lacks {len(meta)} tensors, e.g. {meta[:3]}")
+    return model.eval()

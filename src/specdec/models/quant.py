@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.config import QUANTIZATIONS
 from specdec.kernels import available as int8_kernel_available, int8_linear
 
 
@@ -62,16 +63,19 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def resolve_quantization(method: str, device: torch.device, native_bf16: bool) -> str:
-    """`auto`: int8 weights on CPUs without native bf16 arithmetic (where fp32 and emulated bf16 matmuls
-    cost several times more for 6 rows than for 1, which would make verification expensive), else none.
-    A draft passes native_bf16=False to get int8 on every CPU: its numerics never change the output."""
-    if method not in ("auto", "none", "int8", "int4"):
-        raise ValueError(f"unknown quantization {method!r}; choose auto, none, int8 or int4")
+BLOCK_FORMATS = ("gguf", "q8_0")  # run by specdec.kernels.qgemm (see models.qlinear)
+
+
+def resolve_quantization(method: str, device: torch.device) -> str:
+    """`auto`: on CPU, the GGUF's own blocks (a Hugging Face folder: Q8_0 blocks), run by specdec's
+    integer kernels; on CUDA, none (bf16). `gguf`/`q8_0`: block kernels; `int8`/`int4`: earlier
+    weight-only formats (float activations times int weights); `none`: float weights."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r}; choose {', '.join(QUANTIZATIONS)}")
     if method == "auto":
-        return "int8" if device.type == "cpu" and not native_bf16 else "none"
+        return "gguf" if device.type == "cpu" else "none"
     if method != "none" and device.type != "cpu":
-        raise ValueError(f"quantization {method!r} uses torch's CPU kernels; use 'none' on {device.type}")
+        raise ValueError(f"quantization {method!r} runs on CPU kernels; use 'none' on {device.type}")
     return method
 
 

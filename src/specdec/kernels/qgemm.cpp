@@ -1,0 +1,566 @@
+// Matrix products on GGUF's own quantized blocks:  y[M, N] = x[M, K] @ W[N, K].T (+ bias)
+//
+// W stays in the file's block format (Q4_0, Q5_0, Q8_0: 32 weights a block; Q4_K, Q5_K, Q6_K: 256), one
+// row of blocks per output channel, read in place (a memory map of the GGUF).  Each activation row is
+// quantized to 8 bits per block (scale amax / 127, one scale per 256 values for the k-quants, per 32 for
+// the others, plus sums of every 16 quants), weight block x activation block products are integer dot
+// products (exact, so their order does not matter), and block results are combined in fp32.
+//
+// Row invariance, by construction: the bits of y[m, n] depend only on row m of x and row n of W.  Every
+// (row, channel) pair owns its own 8 int32 lanes per block and 8 fp32 lanes over the whole row, updated by
+// the same sequence of operations whether the row is computed alone or in a group of up to kMaxRows rows,
+// whatever thread takes the channel, then reduced by one fixed horizontal sum.  The integer lanes are
+// exact (no saturation: weights are at most 6 bits unsigned, or signed 8 bits through the sign trick,
+// activations lie in [-127, 127]), so the AVX2 path (maddubs + madd), the VNNI path (maddubs + dpwssd,
+// dpbusd) and the portable path (the same lanes in scalar code) give the same bits.
+//
+// Registered as torch.ops.<library>.qmm; the library name comes from -DSPECDEC_QLIB (one per ISA build).
+
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef SPECDEC_QLIB
+#define SPECDEC_QLIB specdec_qgemm
+#endif
+
+namespace {
+
+// GGML type ids (ggml.h)
+enum : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kMaxRows = 8;  // 32 vector registers
+#else
+constexpr int kMaxRows = 4;
+#endif
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// ---- 32-byte vectors: 32 x u8/i8, 16 x i16, 8 x i32 or 8 x f32 -------------------------------------
+// Each operation is defined lane by lane (the scalar code says what), so that the AVX2 and portable
+// builds compute the same values.
+
+#if defined(__AVX2__)
+using VI = __m256i;
+using VF = __m256;
+inline VI load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const VI*>(p)); }
+inline VI zero() { return _mm256_setzero_si256(); }
+inline VI set8(int8_t v) { return _mm256_set1_epi8(v); }
+inline VI set16(int16_t v) { return _mm256_set1_epi16(v); }
+inline VI and_(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI or_(VI a, VI b) { return _mm256_or_si256(a, b); }
+// byte-wise (b >> s) & mask, for masks that fit in 8 - s bits (so no bit crosses from the next byte)
+inline VI shr_mask(VI b, int s, int8_t mask) { return _mm256_and_si256(_mm256_srli_epi16(b, s), set8(mask)); }
+// byte-wise b << 4, for bytes below 16
+inline VI shl4(VI b) { return _mm256_slli_epi16(b, 4); }
+inline VI sub8(VI a, VI b) { return _mm256_sub_epi8(a, b); }
+inline VI abs8(VI a) { return _mm256_abs_epi8(a); }
+inline VI sign8(VI a, VI b) { return _mm256_sign_epi8(a, b); }
+inline VI sub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+inline VI add32(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VF fadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VI shl32(VI a, int s) { return _mm256_slli_epi32(a, s); }
+// i16 lane i = u[2i] * s[2i] + u[2i+1] * s[2i+1]   (u unsigned, s signed bytes)
+inline VI maddubs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
+// i32 lane i = a[2i] * b[2i] + a[2i+1] * b[2i+1]
+inline VI madd(VI a, VI b) { return _mm256_madd_epi16(a, b); }
+// acc + madd(a, b)
+inline VI madd_acc(VI acc, VI a, VI b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+// i32 lane i = sum of u[4i + j] * s[4i + j], j < 4 (no i16 saturation here: see the callers)
+inline VI dot4(VI u, VI s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(zero(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), set16(1));
+#endif
+}
+// bytes 0-15 from a, 16-31 from b
+inline VI join16(const __m128i a, const __m128i b) { return _mm256_set_m128i(b, a); }
+inline VI nibbles16(const uint8_t* p) {  // 16 bytes -> 16 low nibbles then 16 high nibbles
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return join16(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+}
+// byte i = 0x10 if bit i of the 32-bit word at p is set, else 0
+inline VI bit4_from_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const VI spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                          0x0101010101010101LL, 0x0000000000000000LL));
+  const VI select = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), set8(0x10));
+}
+inline VF fzero() { return _mm256_setzero_ps(); }
+// acc + float(v) * s, fused
+inline VF fmadd_i(VI v, float s, VF acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
+// acc - float(v) * s, fused
+inline VF fnmadd_i(VI v, float s, VF acc) { return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
+// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+inline float hsum(VF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline VI scales16(const int8_t* sc) {  // 16 signed bytes -> 16 x i16
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+}
+inline VI pair16(int16_t a, int16_t b) {  // lanes 0-7 = a, 8-15 = b
+  return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
+}
+inline VI dup16(const uint8_t* m8) {  // 8 bytes -> 16 x i16: m0 m0 m1 m1 ... m7 m7
+  const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+}
+#else
+union VI {
+  uint8_t u[32];
+  int8_t b[32];
+  int16_t h[16];
+  int32_t w[8];
+};
+struct VF {
+  float f[8];
+};
+inline VI load(const void* p) { VI v; std::memcpy(v.u, p, 32); return v; }
+inline VI zero() { VI v; std::memset(v.u, 0, 32); return v; }
+inline VI set8(int8_t x) { VI v; for (int i = 0; i < 32; ++i) v.b[i] = x; return v; }
+inline VI set16(int16_t x) { VI v; for (int i = 0; i < 16; ++i) v.h[i] = x; return v; }
+inline VI and_(VI a, VI b) { for (int i = 0; i < 32; ++i) a.u[i] &= b.u[i]; return a; }
+inline VI or_(VI a, VI b) { for (int i = 0; i < 32; ++i) a.u[i] |= b.u[i]; return a; }
+inline VI shr_mask(VI b, int s, int8_t mask) {
+  for (int i = 0; i < 32; ++i) b.u[i] = static_cast<uint8_t>((b.u[i] >> s) & static_cast<uint8_t>(mask));
+  return b;
+}
+inline VI shl4(VI b) { for (int i = 0; i < 32; ++i) b.u[i] = static_cast<uint8_t>(b.u[i] << 4); return b; }
+inline VI sub8(VI a, VI b) { for (int i = 0; i < 32; ++i) a.u[i] = static_cast<uint8_t>(a.u[i] - b.u[i]); return a; }
+inline VI abs8(VI a) {
+  for (int i = 0; i < 32; ++i) a.u[i] = static_cast<uint8_t>(a.b[i] < 0 ? -static_cast<int>(a.b[i]) : a.b[i]);
+  return a;
+}
+inline VI sign8(VI a, VI b) {
+  for (int i = 0; i < 32; ++i)
+    a.b[i] = static_cast<int8_t>(b.b[i] < 0 ? -static_cast<int>(a.b[i]) : (b.b[i] == 0 ? 0 : a.b[i]));
+  return a;
+}
+inline VI sub32(VI a, VI b) { for (int i = 0; i < 8; ++i) a.w[i] -= b.w[i]; return a; }
+inline VI add32(VI a, VI b) { for (int i = 0; i < 8; ++i) a.w[i] += b.w[i]; return a; }
+inline VF fadd(VF a, VF b) { for (int i = 0; i < 8; ++i) a.f[i] += b.f[i]; return a; }
+inline VI shl32(VI a, int s) { for (int i = 0; i < 8; ++i) a.w[i] = static_cast<int32_t>(static_cast<uint32_t>(a.w[i]) << s); return a; }
+inline VI maddubs(VI u, VI s) {
+  VI r;
+  for (int i = 0; i < 16; ++i) {
+    int v = u.u[2 * i] * s.b[2 * i] + u.u[2 * i + 1] * s.b[2 * i + 1];
+    r.h[i] = static_cast<int16_t>(std::min(32767, std::max(-32768, v)));
+  }
+  return r;
+}
+inline VI madd(VI a, VI b) {
+  VI r;
+  for (int i = 0; i < 8; ++i) r.w[i] = a.h[2 * i] * b.h[2 * i] + a.h[2 * i + 1] * b.h[2 * i + 1];
+  return r;
+}
+inline VI madd_acc(VI acc, VI a, VI b) {
+  VI m = madd(a, b);
+  for (int i = 0; i < 8; ++i) acc.w[i] += m.w[i];
+  return acc;
+}
+inline VI dot4(VI u, VI s) {
+  VI r;
+  for (int i = 0; i < 8; ++i) {
+    int32_t t = 0;
+    for (int j = 0; j < 4; ++j) t += u.u[4 * i + j] * s.b[4 * i + j];
+    r.w[i] = t;
+  }
+  return r;
+}
+inline VI nibbles16(const uint8_t* p) {
+  VI v;
+  for (int i = 0; i < 16; ++i) {
+    v.u[i] = p[i] & 0x0F;
+    v.u[16 + i] = p[i] >> 4;
+  }
+  return v;
+}
+inline VI bit4_from_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  VI v;
+  for (int i = 0; i < 32; ++i) v.u[i] = ((bits >> i) & 1) ? 0x10 : 0;
+  return v;
+}
+inline VF fzero() { VF v; for (int i = 0; i < 8; ++i) v.f[i] = 0.f; return v; }
+inline VF fmadd_i(VI v, float s, VF acc) {
+  for (int i = 0; i < 8; ++i) acc.f[i] = std::fma(static_cast<float>(v.w[i]), s, acc.f[i]);
+  return acc;
+}
+inline VF fnmadd_i(VI v, float s, VF acc) {
+  for (int i = 0; i < 8; ++i) acc.f[i] = std::fma(-static_cast<float>(v.w[i]), s, acc.f[i]);
+  return acc;
+}
+inline float hsum(VF v) {
+  const float* l = v.f;
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+inline VI scales16(const int8_t* sc) { VI v; for (int i = 0; i < 16; ++i) v.h[i] = sc[i]; return v; }
+inline VI pair16(int16_t a, int16_t b) { VI v; for (int i = 0; i < 16; ++i) v.h[i] = i < 8 ? a : b; return v; }
+inline VI dup16(const uint8_t* m8) { VI v; for (int i = 0; i < 16; ++i) v.h[i] = m8[i / 2]; return v; }
+#endif
+
+// ---- quantized activations ----------------------------------------------------------------------
+
+struct Acts {
+  int64_t K = 0, bs = 0;     // row length, block size (32 or 256)
+  std::vector<int8_t> q;     // [M][K]
+  std::vector<int16_t> s;    // [M][K / 16]: sums of 16 quants
+  std::vector<float> d;      // [M][K / bs]: block scales
+  const int8_t* qrow(int64_t m) const { return q.data() + m * K; }
+  const int16_t* srow(int64_t m) const { return s.data() + m * (K / 16); }
+  const float* drow(int64_t m) const { return d.data() + m * (K / bs); }
+};
+
+// One row, one block: scale = amax / 127, q = round-half-even(x * 127 / amax), in [-127, 127].
+// Elementwise IEEE operations only, so any build (vectorized or not) gives the same bytes.
+inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < bs; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  *d = amax / 127.f;
+  for (int64_t i = 0; i < bs; ++i) {
+    float v = std::nearbyint(x[i] * id);
+    v = std::min(127.f, std::max(-127.f, v));
+    q[i] = static_cast<int8_t>(v);
+  }
+  for (int64_t g = 0; g < bs / 16; ++g) {
+    int32_t t = 0;
+    for (int i = 0; i < 16; ++i) t += q[g * 16 + i];
+    s[g] = static_cast<int16_t>(t);
+  }
+}
+
+void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
+  const int64_t M = x.size(0), K = x.size(1);
+  a.K = K;
+  a.bs = bs;
+  a.q.resize(M * K);
+  a.s.resize(M * (K / 16));
+  a.d.resize(M * (K / bs));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* r;
+      if (bf16) {
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xb[m * K + k]);
+        r = row.data();
+      } else {
+        r = xf + m * K;
+      }
+      for (int64_t b = 0; b < K / bs; ++b)
+        quantize_block(r + b * bs, bs, a.q.data() + m * K + b * bs, a.s.data() + m * (K / 16) + b * (bs / 16),
+                       a.d.data() + m * (K / bs) + b);
+    }
+  });
+}
+
+// ---- one output channel, R rows -------------------------------------------------------------------
+// Each kernel adds row r's dot product with weight row `w` (nb blocks) into out[r] (a plain store).
+
+// Q4_K / Q5_K: the 8 six-bit (scale, min) pairs packed in 12 bytes. Bytes 0-3 hold scales 0-3 in their low
+// 6 bits, bytes 4-7 mins 0-3; pairs 4-7 take their low 4 bits from bytes 8-11 and their top 2 bits from
+// the top bits of bytes 0-3 (scales) and 4-7 (mins). Four bytes at a time.
+inline void k_scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  const uint32_t lo[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)};
+  const uint32_t mi[2] = {u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
+  std::memcpy(sc, lo, 8);
+  std::memcpy(mn, mi, 8);
+}
+
+// Q4_K (144 bytes: d, dmin, 12 bytes of scales/mins, 128 of nibbles) and Q5_K (176: + 32 bytes of high bits).
+template <int R, bool Q5>
+void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = Q5 ? 176 : 144;
+  VF f[R];
+  for (int r = 0; r < R; ++r) f[r] = fzero();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    const float d = fp16(b), dmin = fp16(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales_mins(b + 4, sc, mn);
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (Q5 ? 48 : 16);
+    const VI hbits = Q5 ? load(qh) : zero();
+    VI acc[R], acc2[R];  // two independent chains per row (integer sums: their split changes nothing)
+    for (int r = 0; r < R; ++r) acc[r] = acc2[r] = zero();
+    for (int j = 0; j < 4; ++j) {
+      const VI q = load(qs + 32 * j);
+      VI lo = and_(q, set8(0x0F)), hi = shr_mask(q, 4, 0x0F);
+      if (Q5) {
+        lo = or_(lo, shl4(shr_mask(hbits, 2 * j, 1)));
+        hi = or_(hi, shl4(shr_mask(hbits, 2 * j + 1, 1)));
+      }
+      const VI slo = set16(sc[2 * j]), shi = set16(sc[2 * j + 1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.qrow(m0 + r) + i * 256 + 64 * j;
+        acc[r] = madd_acc(acc[r], maddubs(lo, load(x)), slo);
+        acc2[r] = madd_acc(acc2[r], maddubs(hi, load(x + 32)), shi);
+      }
+    }
+    const VI mins = dup16(mn);
+    for (int r = 0; r < R; ++r) {
+      const float dx = a.drow(m0 + r)[i];
+      const VI msum = madd(load(a.srow(m0 + r) + i * 16), mins);
+      f[r] = fmadd_i(add32(acc[r], acc2[r]), dx * d, f[r]);
+      f[r] = fnmadd_i(msum, dx * dmin, f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+}
+
+// Q6_K (210 bytes: 128 of low nibbles, 64 of 2-bit highs, 16 int8 scales, d): w = d * sc * (q - 32).
+template <int R>
+void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  VF f[R];
+  for (int r = 0; r < R; ++r) f[r] = fzero();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = fp16(b + 208);
+    VI acc[R], acc2[R];  // two independent chains per row (integer sums: their split changes nothing)
+    for (int r = 0; r < R; ++r) acc[r] = acc2[r] = zero();
+    for (int h = 0; h < 2; ++h) {
+      const VI l0 = load(b + 64 * h), l1 = load(b + 64 * h + 32), hb = load(b + 128 + 32 * h);
+      const VI c[4] = {
+          or_(and_(l0, set8(0x0F)), shl4(and_(hb, set8(3)))),
+          or_(and_(l1, set8(0x0F)), shl4(shr_mask(hb, 2, 3))),
+          or_(shr_mask(l0, 4, 0x0F), shl4(shr_mask(hb, 4, 3))),
+          or_(shr_mask(l1, 4, 0x0F), shl4(shr_mask(hb, 6, 3))),
+      };
+      for (int k = 0; k < 4; k += 2) {
+        const VI s0 = pair16(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
+        const VI s1 = pair16(sc[8 * h + 2 * k + 2], sc[8 * h + 2 * k + 3]);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.qrow(m0 + r) + i * 256 + 128 * h + 32 * k;
+          acc[r] = madd_acc(acc[r], maddubs(c[k], load(x)), s0);
+          acc2[r] = madd_acc(acc2[r], maddubs(c[k + 1], load(x + 32)), s1);
+        }
+      }
+    }
+    const VI s16 = scales16(sc);
+    for (int r = 0; r < R; ++r) {
+      const VI corr = madd(load(a.srow(m0 + r) + i * 16), s16);  // the -32 offset: 32 * sum(sc * bsum)
+      f[r] = fmadd_i(sub32(add32(acc[r], acc2[r]), shl32(corr, 5)), a.drow(m0 + r)[i] * d, f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+}
+
+// 32-weight blocks with one fp16 scale: Q8_0 (int8), Q4_0 (nibble - 8), Q5_0 (5 bits - 16).
+template <int R, int64_t T>
+void dot_q32(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = T == kQ8_0 ? 34 : (T == kQ4_0 ? 18 : 22);
+  VF f[2][R];  // even and odd blocks on two chains, added at the end
+  for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = fzero();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    const float d = fp16(b);
+    VF* fi = f[i & 1];
+    VI q;
+    if (T == kQ8_0) q = load(b + 2);
+    else if (T == kQ4_0) q = sub8(nibbles16(b + 2), set8(8));
+    else q = sub8(or_(nibbles16(b + 6), bit4_from_bits(b + 2)), set8(16));
+    const VI aq = abs8(q);
+    for (int r = 0; r < R; ++r) {
+      const VI l = dot4(aq, sign8(load(a.qrow(m0 + r) + i * 32), q));
+      fi[r] = fmadd_i(l, a.drow(m0 + r)[i] * d, fi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(fadd(f[0][r], f[1][r]));
+}
+
+using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
+
+template <int R>
+DotFn dot_for(int64_t type) {
+  switch (type) {
+    case kQ4_K: return &dot_q45k<R, false>;
+    case kQ5_K: return &dot_q45k<R, true>;
+    case kQ6_K: return &dot_q6k<R>;
+    case kQ8_0: return &dot_q32<R, kQ8_0>;
+    case kQ4_0: return &dot_q32<R, kQ4_0>;
+    case kQ5_0: return &dot_q32<R, kQ5_0>;
+  }
+  return nullptr;
+}
+
+DotFn dot_fn(int64_t type, int rows) {
+  switch (rows) {
+    case 1: return dot_for<1>(type);
+    case 2: return dot_for<2>(type);
+    case 3: return dot_for<3>(type);
+    case 4: return dot_for<4>(type);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case 5: return dot_for<5>(type);
+    case 6: return dot_for<6>(type);
+    case 7: return dot_for<7>(type);
+    case 8: return dot_for<8>(type);
+#endif
+  }
+  return nullptr;
+}
+
+bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+
+int64_t block_bytes(int64_t t) {
+  switch (t) {
+    case kQ4_0: return 18;
+    case kQ5_0: return 22;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+  }
+  return 0;
+}
+
+template <typename OutT>
+void store_out(OutT* y, float v) { *y = static_cast<OutT>(v); }
+
+// y = x @ concat(W_0, W_1, ...).T + bias: the segments share the activations' quantization.
+at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> types, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "qmm: x must be [M, K]");
+  TORCH_CHECK(x.device().is_cpu(), "qmm: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "qmm: x must be bf16 or fp32");
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "qmm: one type per weight segment");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> starts{0};
+  bool need32 = false, need256 = false;
+  for (size_t s = 0; s < ws.size(); ++s) {
+    const int64_t t = types[s], bb = block_bytes(t);
+    TORCH_CHECK(bb > 0, "qmm: unsupported block type ", t);
+    const int64_t bs = is_k_quant(t) ? 256 : 32;
+    TORCH_CHECK(K % bs == 0, "qmm: K = ", K, " is not a multiple of the block size ", bs);
+    TORCH_CHECK(ws[s].scalar_type() == at::kByte && ws[s].dim() == 2 && ws[s].is_contiguous(),
+                "qmm: weights must be contiguous uint8 [N, row_bytes]");
+    TORCH_CHECK(ws[s].size(1) == K / bs * bb, "qmm: weight rows of ", ws[s].size(1), " bytes do not hold K = ", K);
+    (is_k_quant(t) ? need256 : need32) = true;
+    starts.push_back(starts.back() + ws[s].size(0));
+  }
+  const int64_t N = starts.back();
+  const float* bp = nullptr;
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bf.numel() == N, "qmm: bias must have N = ", N, " values");
+    bp = bf.data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+
+  Acts a32, a256;
+  if (need32) quantize_rows(x, 32, a32);
+  if (need256) quantize_rows(x, 256, a256);
+
+  // Tiles of channels, claimed dynamically (a descheduled thread does not hold up the call); inside a
+  // tile, groups of up to kMaxRows rows share each weight block while it is in registers / L1.
+  constexpr int64_t kTile = 16;
+  std::vector<int64_t> tile_seg, tile_n0;
+  for (size_t s = 0; s < ws.size(); ++s)
+    for (int64_t n = starts[s]; n < starts[s + 1]; n += kTile) {
+      tile_seg.push_back(static_cast<int64_t>(s));
+      tile_n0.push_back(n);
+    }
+  const int64_t ntiles = static_cast<int64_t>(tile_seg.size());
+  const int64_t ngroups = (M + kMaxRows - 1) / kMaxRows;
+  std::atomic<int64_t> next{0};
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  at::BFloat16* yb = out_bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
+  float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    float res[kMaxRows];
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < ntiles;
+         t = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t s = tile_seg[t], type = types[s];
+      const Acts& a = is_k_quant(type) ? a256 : a32;
+      const int64_t bs = is_k_quant(type) ? 256 : 32, nb = K / bs, row_bytes = ws[s].size(1);
+      const uint8_t* wbase = ws[s].data_ptr<uint8_t>();
+      const int64_t n0 = tile_n0[t], n1 = std::min(n0 + kTile, starts[s + 1]);
+      for (int64_t g = 0; g < ngroups; ++g) {
+        const int64_t m0 = g * kMaxRows;
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+        const DotFn fn = dot_fn(type, rows);
+        for (int64_t n = n0; n < n1; ++n) {
+          fn(wbase + (n - starts[s]) * row_bytes, nb, a, m0, res);
+          const float b = bp ? bp[n] : 0.f;
+          for (int r = 0; r < rows; ++r) {
+            const float v = bp ? res[r] + b : res[r];
+            if (out_bf16) yb[(m0 + r) * N + n] = static_cast<at::BFloat16>(v);
+            else yf[(m0 + r) * N + n] = v;
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// Quantized activations as the kernels see them (for tests): q int8 [M, K], sums int16 [M, K/16], d [M, K/bs].
+std::vector<at::Tensor> quantize_acts(at::Tensor x, int64_t bs) {
+  TORCH_CHECK(x.dim() == 2 && (bs == 32 || bs == 256) && x.size(1) % bs == 0, "quantize_acts: bad shape");
+  x = x.contiguous();
+  Acts a;
+  quantize_rows(x, bs, a);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto s = at::empty({M, K / 16}, x.options().dtype(at::kShort));
+  auto d = at::empty({M, K / bs}, x.options().dtype(at::kFloat));
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
+  std::memcpy(s.data_ptr<int16_t>(), a.s.data(), a.s.size() * 2);
+  std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * 4);
+  return {q, s, d};
+}
+
+int64_t max_rows() { return kMaxRows; }
+
+}  // namespace
+
+TORCH_LIBRARY(SPECDEC_QLIB, m) {
+  m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
+  m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
+  m.def("max_rows() -> int", &max_rows);
+}

@@ -1,0 +1,125 @@
+"""Matrix products on a GGUF's own quantized blocks (see qgemm.cpp), compiled on first use.
+
+One build per instruction set, picked from the CPU's flags at run time:
+
+- `avx512vnni`: AVX2 code plus AVX-512 VNNI dot products on 256-bit vectors, 8 rows per weight pass;
+- `avx2`: AVX2 + FMA (the baseline of x86 CPUs since 2013), 4 rows per weight pass;
+- `generic`: portable C++ that computes the same integer lanes in scalar code (correct, slower).
+
+All three give the same bits (the integer lanes are exact and the fp32 steps are the same), and in each
+the bits of an output row do not depend on the other rows, their number, or the thread count.
+`SPECDEC_QGEMM_ISA` forces a build (tests use it to compare them).
+
+Example: `qmm(x, [w_q, w_k, w_v], [12, 12, 14], bias)` -> x @ concat(w_q, w_k, w_v).T + bias, where each
+w is the uint8 [N, row_bytes] view of a GGUF tensor and 12 / 14 are GGML's Q4_K / Q6_K type ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("qgemm.cpp")
+_ISA_FLAGS = {
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+_ISA_CPU_FLAGS = {
+    "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "generic": set(),
+}
+# -ffp-contract=off: no fused multiply-add other than the ones the source asks for (the same in every build)
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+SUPPORTED_TYPES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+BLOCK = {2: (32, 18), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+
+_lock = threading.Lock()
+_ops: dict[str, object] = {}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_isa() -> str:
+    """The fastest build this CPU runs, or the one `SPECDEC_QGEMM_ISA` names."""
+    forced = os.environ.get("SPECDEC_QGEMM_ISA")
+    if forced:
+        if forced not in _ISA_FLAGS:
+            raise ValueError(f"SPECDEC_QGEMM_ISA={forced!r}; choose {', '.join(_ISA_FLAGS)}")
+        return forced
+    flags = cpu_flags()
+    return next(isa for isa in _ISA_FLAGS if _ISA_CPU_FLAGS[isa] <= flags)
+
+
+def ops(isa: str | None = None):
+    """The compiled ops of one build (`torch.ops.specdec_qgemm_<isa>`), building it on first use."""
+    isa = isa or best_isa()
+    if isa in _ops:
+        return _ops[isa]
+    with _lock:
+        if isa not in _ops:
+            if not _ISA_CPU_FLAGS[isa] <= cpu_flags():
+                raise RuntimeError(f"this CPU cannot run the {isa} build of the qgemm kernels")
+            from torch.utils import cpp_extension
+
+            lib = f"specdec_qgemm_{isa}"
+            flags = _COMMON_FLAGS + _ISA_FLAGS[isa] + [f"-DSPECDEC_QLIB={lib}"]
+            digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+            cpp_extension.load(
+                name=f"{lib}_{digest}",
+                sources=[str(_SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,  # registers torch.ops.<lib>.*
+                verbose=False,
+            )
+            _ops[isa] = getattr(torch.ops, lib)
+    return _ops[isa]
+
+
+def qmm(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    types: list[int],
+    bias: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16 or fp32) @ concat(weights).T + bias -> [..., N] in x's dtype.
+
+    weights[i]: uint8 [N_i, row_bytes] blocks of GGML type types[i]; bias: fp32 [sum N_i] or None.
+    """
+    shape = x.shape
+    y = ops(isa).qmm(x.reshape(-1, shape[-1]), weights, types, bias)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """float [N, K] -> Q8_0 blocks uint8 [N, K // 32 * 34] (fp16 scale amax / 127, int8 quants), as ggml's
+    reference quantizer does. K must be a multiple of 32. Example: a row of 32 values 0..31 -> scale
+    31 / 127, quants round(v * 127 / 31)."""
+    N, K = w.shape
+    if K % 32:
+        raise ValueError(f"Q8_0 needs rows of a multiple of 32 values, not {K}")
+    blocks = w.float().reshape(N, K // 32, 32)
+    amax = blocks.abs().amax(-1)
+    d = amax / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    out = torch.empty(N, K // 32, 34, dtype=torch.uint8)
+    out[..., :2] = d.to(torch.float16).view(torch.uint8).reshape(N, K // 32, 2)
+    out[..., 2:] = q.view(torch.uint8)
+    return out.reshape(N, K // 32 * 34)

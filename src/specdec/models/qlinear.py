@@ -1,0 +1,95 @@
+"""Layers whose weights stay in a GGUF's quantized blocks (run by `specdec.kernels.qgemm`).
+
+`QuantLinear` holds one or more weight matrices of the same input size as uint8 `[N_i, row_bytes]` views
+of the file (no copy: the GGUF is memory-mapped) and computes them in one call, so Q, K and V (or gate
+and up) read the activations once and quantize them once. `QuantEmbedding` dequantizes only the rows it
+looks up. Weights in types the kernels do not run (Q4_1, Q5_1, the other k-quants, F16/BF16/F32
+matrices) are requantized once to Q8_0 at load.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from specdec.kernels.qgemm import SUPPORTED_TYPES, qmm, quantize_q8_0
+from specdec.models.dequant import dequantize_rows
+
+Q8_0 = int(GGMLQuantizationType.Q8_0)
+
+
+def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int) -> tuple[torch.Tensor, int]:
+    """(blocks, type) the kernels can run: the file's own when its type is supported, else Q8_0 made from
+    the dequantized rows. blocks: uint8 [N, row_bytes]."""
+    if qtype in SUPPORTED_TYPES:
+        return blocks, qtype
+    return quantize_q8_0(dequantize_rows(blocks, qtype, row_len)), Q8_0
+
+
+def row_bytes(qtype: int, row_len: int) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if row_len % block_size:
+        raise ValueError(f"rows of {row_len} values do not fill {GGMLQuantizationType(qtype).name} blocks")
+    return row_len // block_size * type_size
+
+
+class QuantLinear(nn.Module):
+    """y = x @ concat(W_0, W_1, ...).T + bias, each W_i in GGUF blocks; x bf16 or fp32, y in x's dtype."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.types = [int(t) for _, t in parts]
+        self.sizes = [int(w.shape[0]) for w, _ in parts]
+        self.out_features = sum(self.sizes)
+        for i, (w, t) in enumerate(parts):
+            if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(t, in_features):
+                raise ValueError(f"part {i}: expected uint8 [N, {row_bytes(t, in_features)}] blocks, got {w.dtype} {list(w.shape)}")
+            if t not in SUPPORTED_TYPES:
+                raise ValueError(f"part {i}: the kernels do not run type {t}; use kernel_blocks() first")
+            self.register_buffer(f"blocks_{i}", w.contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:
+        return [getattr(self, f"blocks_{i}") for i in range(len(self.types))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return qmm(x, self.blocks, self.types, self.bias)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Output rows `ids` of the whole (concatenated) weight as float32 [len(ids), in_features]."""
+        out = torch.empty(len(ids), self.in_features)
+        start = 0
+        for w, t, n in zip(self.blocks, self.types, self.sizes):
+            sel = (ids >= start) & (ids < start + n)
+            if sel.any():
+                out[sel] = dequantize_rows(w[ids[sel] - start], t, self.in_features)
+            start += n
+        return out
+
+    def extra_repr(self) -> str:
+        types = ", ".join(SUPPORTED_TYPES[t] for t in self.types)
+        return f"in_features={self.in_features}, out_features={self.sizes}, types=[{types}], bias={self.bias is not None}"
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding rows looked up in GGUF blocks and dequantized (to `dtype`) only for the tokens asked."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.qtype, self.num_embeddings, self.embedding_dim, self.dtype = int(qtype), num_embeddings, embedding_dim, dtype
+        if blocks.shape != (num_embeddings, row_bytes(qtype, embedding_dim)):
+            raise ValueError(f"embedding blocks of shape {list(blocks.shape)} do not hold {num_embeddings} x {embedding_dim}")
+        self.register_buffer("blocks", blocks, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_rows(self.blocks[ids.reshape(-1)], self.qtype, self.embedding_dim)
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.blocks[ids], self.qtype, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={GGMLQuantizationType(self.qtype).name}"
