@@ -81,6 +81,10 @@ inline VI sign8(VI a, VI b) { return _mm256_sign_epi8(a, b); }
 inline VI sub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
 inline VI add32(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VF fadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+// float(v) * s
+inline VF fmul_i(VI v, float s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s)); }
+// float(v) * s - m, fused
+inline VF fmsub_i(VI v, float s, VF m) { return _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), m); }
 inline VI shl32(VI a, int s) { return _mm256_slli_epi32(a, s); }
 // i16 lane i = u[2i] * s[2i] + u[2i+1] * s[2i+1]   (u unsigned, s signed bytes)
 inline VI maddubs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
@@ -175,6 +179,12 @@ inline VI sign8(VI a, VI b) {
 inline VI sub32(VI a, VI b) { for (int i = 0; i < 8; ++i) a.w[i] -= b.w[i]; return a; }
 inline VI add32(VI a, VI b) { for (int i = 0; i < 8; ++i) a.w[i] += b.w[i]; return a; }
 inline VF fadd(VF a, VF b) { for (int i = 0; i < 8; ++i) a.f[i] += b.f[i]; return a; }
+inline VF fmul_i(VI v, float s) { VF r; for (int i = 0; i < 8; ++i) r.f[i] = static_cast<float>(v.w[i]) * s; return r; }
+inline VF fmsub_i(VI v, float s, VF m) {
+  VF r;
+  for (int i = 0; i < 8; ++i) r.f[i] = std::fma(static_cast<float>(v.w[i]), s, -m.f[i]);
+  return r;
+}
 inline VI shl32(VI a, int s) { for (int i = 0; i < 8; ++i) a.w[i] = static_cast<int32_t>(static_cast<uint32_t>(a.w[i]) << s); return a; }
 inline VI maddubs(VI u, VI s) {
   VI r;
@@ -335,16 +345,16 @@ void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* ou
       const VI slo = set16(sc[2 * j]), shi = set16(sc[2 * j + 1]);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.qrow(m0 + r) + i * 256 + 64 * j;
-        acc[r] = madd_acc(acc[r], maddubs(lo, load(x)), slo);
-        acc2[r] = madd_acc(acc2[r], maddubs(hi, load(x + 32)), shi);
+        acc[r] = add32(acc[r], madd(maddubs(lo, load(x)), slo));
+        acc2[r] = add32(acc2[r], madd(maddubs(hi, load(x + 32)), shi));
       }
     }
     const VI mins = dup16(mn);
     for (int r = 0; r < R; ++r) {
       const float dx = a.drow(m0 + r)[i];
       const VI msum = madd(load(a.srow(m0 + r) + i * 16), mins);
-      f[r] = fmadd_i(add32(acc[r], acc2[r]), dx * d, f[r]);
-      f[r] = fnmadd_i(msum, dx * dmin, f[r]);
+      // one fp32 step on the chain: f += (acc * dx * d - msum * dx * dmin)
+      f[r] = fadd(f[r], fmsub_i(add32(acc[r], acc2[r]), dx * d, fmul_i(msum, dx * dmin)));
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
@@ -374,8 +384,8 @@ void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
         const VI s1 = pair16(sc[8 * h + 2 * k + 2], sc[8 * h + 2 * k + 3]);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.qrow(m0 + r) + i * 256 + 128 * h + 32 * k;
-          acc[r] = madd_acc(acc[r], maddubs(c[k], load(x)), s0);
-          acc2[r] = madd_acc(acc2[r], maddubs(c[k + 1], load(x + 32)), s1);
+          acc[r] = add32(acc[r], madd(maddubs(c[k], load(x)), s0));
+          acc2[r] = add32(acc2[r], madd(maddubs(c[k + 1], load(x + 32)), s1));
         }
       }
     }
@@ -411,10 +421,166 @@ void dot_q32(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
   for (int r = 0; r < R; ++r) out[r] = hsum(fadd(f[0][r], f[1][r]));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The same kernels on 512-bit vectors: one zmm holds what the 256-bit code keeps in its two chains
+// (lanes 0-7: acc / even blocks, lanes 8-15: acc2 / odd blocks), so every integer lane, and every fp32
+// lane after the halves are added, is the value the 256-bit code computes: the same bits, half the
+// instructions per row.
+#define SPECDEC_Z512 1
+inline __m512i bcast256(VI v) { return _mm512_broadcast_i64x4(v); }
+inline VI halves_sum(__m512i v) {  // lanes 0-7 + lanes 8-15
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+// acc + madd(p, s): fused (VNNI) when rows are many enough to hide its latency, else madd + add (one
+// cycle on the loop-carried chain of a single row); the same integers either way.
+template <int R>
+inline __m512i madd_acc_z(__m512i acc, __m512i p, __m512i s) {
+  if (R > 2) return _mm512_dpwssd_epi32(acc, p, s);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+}
+inline __m512i shifts(int lo, int hi) {  // i16 shift counts: lo for bytes 0-31, hi for bytes 32-63
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)), _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+}
+
+template <int R, bool Q5>
+void dot_q45k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = Q5 ? 176 : 144;
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m01 = _mm512_set1_epi8(1);
+  const __m512i sh04 = shifts(0, 4);
+  VF f[R];
+  for (int r = 0; r < R; ++r) f[r] = fzero();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * bytes;
+    const float d = fp16(b), dmin = fp16(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales_mins(b + 4, sc, mn);
+    const uint8_t* qs = b + (Q5 ? 48 : 16);
+    const __m512i hb = Q5 ? bcast256(load(b + 16)) : _mm512_setzero_si512();
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      // [low nibbles | high nibbles] of 32 bytes: sub-blocks 2j and 2j + 1
+      __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs + 32 * j)), sh04), m0f);
+      if (Q5) {
+        const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(hb, shifts(2 * j, 2 * j + 1)), m01);
+        q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));
+      }
+      const __m512i s = _mm512_inserti64x4(_mm512_set1_epi16(sc[2 * j]), _mm256_set1_epi16(sc[2 * j + 1]), 1);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(a.qrow(m0 + r) + i * 256 + 64 * j);
+        acc[r] = madd_acc_z<R>(acc[r], _mm512_maddubs_epi16(q, x), s);
+      }
+    }
+    const VI mins = dup16(mn);
+    for (int r = 0; r < R; ++r) {
+      const float dx = a.drow(m0 + r)[i];
+      const VI msum = madd(load(a.srow(m0 + r) + i * 16), mins);
+      f[r] = fadd(f[r], fmsub_i(halves_sum(acc[r]), dx * d, fmul_i(msum, dx * dmin)));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+}
+
+template <int R>
+void dot_q6k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+  const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
+  VF f[R];
+  for (int r = 0; r < R; ++r) f[r] = fzero();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = fp16(b + 208);
+    const __m512i s16z = _mm512_castsi256_si512(scales16(sc));
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_loadu_si512(b + 64 * h);  // low nibbles of chunks 0|1, high of 2|3
+      const __m512i hb = bcast256(load(b + 128 + 32 * h));
+      const __m512i c[2] = {
+          _mm512_or_si512(_mm512_and_si512(l, m0f),
+                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh02), m3), 4)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
+                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh46), m3), 4)),
+      };
+      for (int k = 0; k < 2; ++k) {
+        // the scales of the four 16-value groups of these 64 values, each over its 8 i16 lanes
+        const int g = 8 * h + 4 * k;
+        const __m512i idx = _mm512_inserti64x4(
+            _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
+            pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
+        const __m512i s = _mm512_permutexvar_epi16(idx, s16z);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_loadu_si512(a.qrow(m0 + r) + i * 256 + 128 * h + 64 * k);
+          acc[r] = madd_acc_z<R>(acc[r], _mm512_maddubs_epi16(c[k], x), s);
+        }
+      }
+    }
+    const VI s16 = scales16(sc);
+    for (int r = 0; r < R; ++r) {
+      const VI corr = madd(load(a.srow(m0 + r) + i * 16), s16);
+      f[r] = fmadd_i(sub32(halves_sum(acc[r]), shl32(corr, 5)), a.drow(m0 + r)[i] * d, f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+}
+
+template <int64_t T>
+inline VI q32_weights(const uint8_t* b) {
+  if (T == kQ8_0) return load(b + 2);
+  if (T == kQ4_0) return sub8(nibbles16(b + 2), set8(8));
+  return sub8(or_(nibbles16(b + 6), bit4_from_bits(b + 2)), set8(16));
+}
+
+template <int R, int64_t T>
+void dot_q32_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = T == kQ8_0 ? 34 : (T == kQ4_0 ? 18 : 22);
+  __m512 f[R];  // lanes 0-7: even blocks, 8-15: odd blocks
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    const uint8_t* b = w + i * bytes;
+    const float d0 = fp16(b), d1 = fp16(b + bytes);
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q32_weights<T>(b)), q32_weights<T>(b + bytes), 1);
+    const __m512i aq = _mm512_abs_epi8(q);
+    const __mmask64 neg = _mm512_movepi8_mask(q);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(a.qrow(m0 + r) + i * 32);
+      const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);  // x * sign(q), q != 0
+      const __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sx);
+      const float* dx = a.drow(m0 + r) + i;
+      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(dx[0] * d0), _mm256_set1_ps(dx[1] * d1), 1);
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), s, f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    VF even = _mm512_castps512_ps256(f[r]);
+    const VF odd = _mm512_extractf32x8_ps(f[r], 1);
+    if (i < nb) {  // a last, even block
+      const uint8_t* b = w + i * bytes;
+      const VI q = q32_weights<T>(b);
+      const VI l = dot4(abs8(q), sign8(load(a.qrow(m0 + r) + i * 32), q));
+      even = fmadd_i(l, a.drow(m0 + r)[i] * fp16(b), even);
+    }
+    out[r] = hsum(fadd(even, odd));
+  }
+}
+#endif
+
 using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
 
 template <int R>
 DotFn dot_for(int64_t type) {
+#if defined(SPECDEC_Z512)
+  switch (type) {
+    case kQ4_K: return &dot_q45k_z<R, false>;
+    case kQ5_K: return &dot_q45k_z<R, true>;
+    case kQ6_K: return &dot_q6k_z<R>;
+    case kQ8_0: return &dot_q32_z<R, kQ8_0>;
+    case kQ4_0: return &dot_q32_z<R, kQ4_0>;
+    case kQ5_0: return &dot_q32_z<R, kQ5_0>;
+  }
+#endif
   switch (type) {
     case kQ4_K: return &dot_q45k<R, false>;
     case kQ5_K: return &dot_q45k<R, true>;

@@ -2,7 +2,7 @@
 
 One build per instruction set, picked from the CPU's flags at run time:
 
-- `avx512vnni`: AVX2 code plus AVX-512 VNNI dot products on 256-bit vectors, 8 rows per weight pass;
+- `avx512vnni`: AVX-512 BW/VNNI on 512-bit vectors, 8 rows per weight pass;
 - `avx2`: AVX2 + FMA (the baseline of x86 CPUs since 2013), 4 rows per weight pass;
 - `generic`: portable C++ that computes the same integer lanes in scalar code (correct, slower).
 
@@ -16,6 +16,7 @@ w is the uint8 [N, row_bytes] view of a GGUF tensor and 12 / 14 are GGML's Q4_K 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -25,12 +26,12 @@ import torch
 
 _SOURCE = Path(__file__).with_name("qgemm.cpp")
 _ISA_FLAGS = {
-    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
 _ISA_CPU_FLAGS = {
-    "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
     "avx2": {"avx2", "fma", "f16c"},
     "generic": set(),
 }
@@ -43,15 +44,16 @@ _lock = threading.Lock()
 _ops: dict[str, object] = {}
 
 
-def cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def best_isa() -> str:

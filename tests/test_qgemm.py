@@ -1,0 +1,155 @@
+"""The block kernels (specdec.kernels.qgemm): right values, and row-invariant bits.
+
+Values: the kernel's output equals, to fp32 rounding, the float64 product of the dequantized weights with
+the activations as the kernel quantized them (so every block's integer arithmetic and scales are right).
+Bits: row m's output does not depend on the number of rows, the other rows, the row's position, the
+thread count, or the build (AVX-512, AVX2, portable).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.kernels import qgemm
+from specdec.models.dequant import dequantize_rows
+from specdec.models.qlinear import QuantLinear
+
+TYPES = sorted(qgemm.SUPPORTED_TYPES)  # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
+FP16_FIELDS = {2: [0], 6: [0], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}  # byte offsets of fp16 scales
+ISAS = [isa for isa in ("avx512vnni", "avx2", "generic") if qgemm._ISA_CPU_FLAGS[isa] <= qgemm.cpu_flags()]
+
+
+def random_blocks(qtype: int, rows: int, row_len: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes as GGUF blocks, with finite fp16 scales of a realistic size."""
+    block_size, type_size = qgemm.BLOCK[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, row_len // block_size, type_size), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        scales = rng.uniform(1e-3, 2e-2, size=raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float64 product of the dequantized weights and the activations as the kernel quantizes them."""
+    bs = qgemm.BLOCK[qtype][0] if qtype in (12, 13, 14) else 32
+    q, _, d = qgemm.ops().quantize_acts(x.float(), bs)
+    xq = (q.double().view(x.shape[0], -1, bs) * d.double()[..., None]).view(x.shape[0], -1)
+    return xq @ dequantize_rows(w, qtype, x.shape[1]).double().T
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
+def test_values_equal_dequantized_product(qtype):
+    K, N = 512, 40
+    w = random_blocks(qtype, N, K)
+    x = torch.randn(5, K)
+    y = qgemm.qmm(x, [w], [qtype]).double()
+    ref = reference(x, w, qtype)
+    assert torch.allclose(y, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+    # and the activations' own quantization is within half a step of x
+    q, sums, d = qgemm.ops().quantize_acts(x, 32)
+    assert (q.float().view(5, -1, 32) * d[..., None] - x.view(5, -1, 32)).abs().le(d[..., None] / 2 + 1e-6).all()
+    assert torch.equal(sums, q.view(5, -1, 16).sum(-1).to(torch.int16))
+
+
+def test_quant_activations_on_the_kernels_agree_with_symmetric_rounding():
+    x = torch.tensor([[0.0] * 31 + [2.0], [1.0, -1.0] * 16])
+    q, _, d = qgemm.ops().quantize_acts(x, 32)
+    assert torch.equal(d, torch.tensor([[2.0], [1.0]]) / 127)
+    assert q[0, -1] == 127 and q[0, :-1].abs().sum() == 0 and q[1].tolist() == [127, -127] * 16
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
+def test_rows_are_invariant_to_batch_position_and_threads(qtype):
+    K, N = 512, 72
+    w = random_blocks(qtype, N, K, seed=1)
+    x = torch.randn(64, K, dtype=torch.bfloat16)
+    alone = torch.cat([qgemm.qmm(x[m:m + 1], [w], [qtype]) for m in range(64)])
+    for M in (2, 3, 5, 8, 9, 16, 64):
+        assert torch.equal(qgemm.qmm(x[:M], [w], [qtype]), alone[:M]), f"{M} rows"
+    # the same row among other rows, at another position
+    other = torch.randn(7, K, dtype=torch.bfloat16)
+    mixed = torch.cat([other[:3], x[10:11], other[3:]])
+    assert torch.equal(qgemm.qmm(mixed, [w], [qtype])[3], alone[10])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = qgemm.qmm(x, [w], [qtype])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, alone)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
+def test_every_build_gives_the_same_bits(qtype):
+    K, N = 768 if qtype in (12, 13, 14) else 96, 24  # an odd count of 32-blocks too (96 = 3 x 32)
+    w = random_blocks(qtype, N, K, seed=2)
+    x = torch.randn(11, K)
+    outs = [qgemm.qmm(x, [w], [qtype], isa=isa) for isa in ISAS]
+    assert len(outs) >= 2  # at least the portable build and one vector build
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), ISAS
+
+
+def test_segments_and_bias_equal_separate_products():
+    K = 256
+    parts = [(random_blocks(12, 32, K, seed=3), 12), (random_blocks(14, 16, K, seed=4), 14), (random_blocks(8, 8, K, seed=5), 8)]
+    bias = torch.randn(56)
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    fused = QuantLinear(parts, K, bias)(x)
+    separate = torch.cat([qgemm.qmm(x.float(), [w], [t]) for w, t in parts], -1) + bias
+    assert torch.equal(fused, separate.to(torch.bfloat16))
+    ids = torch.tensor([0, 31, 32, 47, 55])
+    rows = QuantLinear(parts, K).dequantize_rows(ids)
+    assert torch.equal(rows[1], dequantize_rows(parts[0][0][31:32], 12, K)[0])
+    assert torch.equal(rows[3], dequantize_rows(parts[1][0][15:16], 14, K)[0])
+    assert torch.equal(rows[4], dequantize_rows(parts[2][0][7:8], 8, K)[0])
+
+
+def test_bad_inputs_are_refused_clearly():
+    w = random_blocks(12, 4, 256)
+    with pytest.raises(RuntimeError, match="do not hold K"):
+        qgemm.qmm(torch.randn(1, 512), [w], [12])
+    with pytest.raises(RuntimeError, match="unsupported block type"):
+        qgemm.qmm(torch.randn(1, 256), [w], [3])
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        qgemm.qmm(torch.randn(1, 256).half(), [w], [12])
+    assert qgemm.qmm(torch.randn(0, 256), [w], [12]).shape == (0, 4)
+
+
+def test_q8_0_quantizer_round_trips_within_half_a_step():
+    w = torch.randn(6, 64)
+    blocks = qgemm.quantize_q8_0(w)
+    back = dequantize_rows(blocks, 8, 64)
+    step = w.view(6, 2, 32).abs().amax(-1, keepdim=True) / 127
+    # half a step, plus up to 127 times the rounding of the scale to fp16 (2^-11 relative)
+    assert ((back.view(6, 2, 32) - w.view(6, 2, 32)).abs() <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gguf_model_on_the_kernels_is_close_to_float_and_exact_under_speculation(tmp_path, arch):
+    from specdec.api import LLM
+    from specdec.config import SamplingParams
+    from specdec.models.loading import load_checkpoint, load_quantized
+    from specdec.models.llama import Transformer
+    from test_tokenizer import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch=arch, tied=arch == "qwen2")  # F32 matrices: requantized to Q8_0 at load
+    config, model, _ = load_quantized(path, "gguf", torch.float32)
+    assert isinstance(model.lm_head, QuantLinear) and model.model.layers[0].self_attn.qkv_proj is not None
+    _, state, _ = load_checkpoint(path, torch.float32)
+    ref = Transformer.from_state_dict(config, state)
+    tokens = torch.tensor([[3, 17, 40, 41, 9, 60]])
+    pos = torch.arange(6)[None]
+    ours = model(tokens, pos, model.new_cache(1, 64))
+    theirs = ref(tokens, pos, ref.new_cache(1, 64))
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 0.05  # 8-bit weights and activations
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(path), max_model_len=128).generate(["ab"], greedy)[0]
+    spec = LLM(str(path), speculative_model=str(path), num_speculative_tokens=3, max_model_len=128)
+    out = spec.generate(["ab"], greedy)[0]
+    assert spec.quantization == "gguf" and out.token_ids == plain.token_ids
+    assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens == out.metrics.num_draft_tokens
