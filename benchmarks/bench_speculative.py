@@ -66,8 +66,14 @@ def transformers_baseline(prompts, params: SamplingParams, assisted: bool) -> tu
 
     from specdec.models.store import resolve_model
 
-    target = AutoModelForCausalLM.from_pretrained(str(resolve_model(TARGET)), dtype=torch.float32)
-    draft = AutoModelForCausalLM.from_pretrained(str(resolve_model(DRAFT)), dtype=torch.float32) if assisted else None
+    def load(name: str):
+        p = resolve_model(name)  # a pulled known name -> its .gguf file; transformers dequantizes it (needs `gguf`)
+        if p.is_dir():
+            return AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+
+    target = load(TARGET)
+    draft = load(DRAFT) if assisted else None
     seconds, tokens = 0.0, 0
     for _, ids in prompts:
         kw = dict(max_new_tokens=params.max_tokens, do_sample=not params.greedy)

