@@ -259,6 +259,23 @@ struct Acts {
   const float* drow(int64_t m) const { return d.data() + m * (K / bs); }
 };
 
+// The rows of a group, resolved once per call of a kernel (no index arithmetic in the block loops).
+template <int R>
+struct Rows {
+  const int8_t* q[R];
+  const int16_t* s[R];
+  const int32_t* s32[R];
+  const float* d[R];
+  Rows(const Acts& a, int64_t m0) {
+    for (int r = 0; r < R; ++r) {
+      q[r] = a.qrow(m0 + r);
+      s[r] = a.srow(m0 + r);
+      s32[r] = a.s32row(m0 + r);
+      d[r] = a.drow(m0 + r);
+    }
+  }
+};
+
 // One row, one block: scale = amax / 127, q = round-half-even(x * 127 / amax), in [-127, 127].
 // Elementwise IEEE operations only, so any build (vectorized or not) gives the same bytes.
 inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
@@ -325,6 +342,7 @@ inline uint8_t byte_of(uint64_t v, int j) { return static_cast<uint8_t>(v >> (8 
 // Q4_K (144 bytes: d, dmin, 12 bytes of scales/mins, 128 of nibbles) and Q5_K (176: + 32 bytes of high bits).
 template <int R, bool Q5>
 void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const Rows<R> rw(a, m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
   VF f[R];
   for (int r = 0; r < R; ++r) f[r] = fzero();
@@ -347,15 +365,15 @@ void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* ou
       }
       const VI slo = set16(byte_of(sc, 2 * j)), shi = set16(byte_of(sc, 2 * j + 1));
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.qrow(m0 + r) + i * 256 + 64 * j;
+        const int8_t* x = rw.q[r] + i * 256 + 64 * j;
         acc[r] = add32(acc[r], madd(maddubs(lo, load(x)), slo));
         acc2[r] = add32(acc2[r], madd(maddubs(hi, load(x + 32)), shi));
       }
     }
     const VI mins = widen32(mn);
     for (int r = 0; r < R; ++r) {
-      const float dx = a.drow(m0 + r)[i];
-      const VI msum = madd(load(a.s32row(m0 + r) + i * 8), mins);  // lane j: min j * sum of sub-block j
+      const float dx = rw.d[r][i];
+      const VI msum = madd(load(rw.s32[r] + i * 8), mins);  // lane j: min j * sum of sub-block j
       // one fp32 step on the chain: f += (acc * dx * d - msum * dx * dmin)
       f[r] = fadd(f[r], fmsub_i(add32(acc[r], acc2[r]), dx * d, fmul_i(msum, dx * dmin)));
     }
@@ -366,6 +384,7 @@ void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* ou
 // Q6_K (210 bytes: 128 of low nibbles, 64 of 2-bit highs, 16 int8 scales, d): w = d * sc * (q - 32).
 template <int R>
 void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const Rows<R> rw(a, m0);
   VF f[R];
   for (int r = 0; r < R; ++r) f[r] = fzero();
   for (int64_t i = 0; i < nb; ++i) {
@@ -386,7 +405,7 @@ void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
         const VI s0 = pair16(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
         const VI s1 = pair16(sc[8 * h + 2 * k + 2], sc[8 * h + 2 * k + 3]);
         for (int r = 0; r < R; ++r) {
-          const int8_t* x = a.qrow(m0 + r) + i * 256 + 128 * h + 32 * k;
+          const int8_t* x = rw.q[r] + i * 256 + 128 * h + 32 * k;
           acc[r] = add32(acc[r], madd(maddubs(c[k], load(x)), s0));
           acc2[r] = add32(acc2[r], madd(maddubs(c[k + 1], load(x + 32)), s1));
         }
@@ -394,8 +413,8 @@ void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
     }
     const VI s16 = scales16(sc);
     for (int r = 0; r < R; ++r) {
-      const VI corr = madd(load(a.srow(m0 + r) + i * 16), s16);  // the -32 offset: 32 * sum(sc * bsum)
-      f[r] = fmadd_i(sub32(add32(acc[r], acc2[r]), shl32(corr, 5)), a.drow(m0 + r)[i] * d, f[r]);
+      const VI corr = madd(load(rw.s[r] + i * 16), s16);  // the -32 offset: 32 * sum(sc * bsum)
+      f[r] = fmadd_i(sub32(add32(acc[r], acc2[r]), shl32(corr, 5)), rw.d[r][i] * d, f[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
@@ -404,6 +423,7 @@ void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
 // 32-weight blocks with one fp16 scale: Q8_0 (int8), Q4_0 (nibble - 8), Q5_0 (5 bits - 16).
 template <int R, int64_t T>
 void dot_q32(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const Rows<R> rw(a, m0);
   constexpr int64_t bytes = T == kQ8_0 ? 34 : (T == kQ4_0 ? 18 : 22);
   VF f[2][R];  // even and odd blocks on two chains, added at the end
   for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = fzero();
@@ -417,8 +437,8 @@ void dot_q32(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
     else q = sub8(or_(nibbles16(b + 6), bit4_from_bits(b + 2)), set8(16));
     const VI aq = abs8(q);
     for (int r = 0; r < R; ++r) {
-      const VI l = dot4(aq, sign8(load(a.qrow(m0 + r) + i * 32), q));
-      fi[r] = fmadd_i(l, a.drow(m0 + r)[i] * d, fi[r]);
+      const VI l = dot4(aq, sign8(load(rw.q[r] + i * 32), q));
+      fi[r] = fmadd_i(l, rw.d[r][i] * d, fi[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(fadd(f[0][r], f[1][r]));
@@ -445,90 +465,130 @@ inline __m512i shifts(int lo, int hi) {  // i16 shift counts: lo for bytes 0-31,
   return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)), _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
 }
 
-template <int R, bool Q5>
-void dot_q45k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+// C channels at a time (C = 2 for one or two rows: two independent weight streams keep the core busy
+// where one row leaves it waiting on latencies); out[c * R + r].
+template <int R, int C, bool Q5>
+void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const Rows<R> rw(a, m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
   const __m512i m0f = _mm512_set1_epi8(0x0F), m01 = _mm512_set1_epi8(1);
   const __m512i sh04 = shifts(0, 4);
   __m512i pick[4];  // i16 lanes 0-15: scale 2j, 16-31: scale 2j + 1
   for (int j = 0; j < 4; ++j) pick[j] = shifts(2 * j, 2 * j + 1);
-  VF f[R];
-  for (int r = 0; r < R; ++r) f[r] = fzero();
+  VF f[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) f[c][r] = fzero();
   for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* b = w + i * bytes;
-    const float d = fp16(b), dmin = fp16(b + 2);
-    uint64_t sc, mn;
-    k_scales_mins(b + 4, &sc, &mn);
-    const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
-    const uint8_t* qs = b + (Q5 ? 48 : 16);
-    const __m512i hb = Q5 ? bcast256(load(b + 16)) : _mm512_setzero_si512();
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    float d[C], dmin[C];
+    uint64_t mn[C];
+    __m512i scz[C], hb[C];
+    const uint8_t* qs[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* b = w[c] + i * bytes;
+      d[c] = fp16(b);
+      dmin[c] = fp16(b + 2);
+      uint64_t sc;
+      k_scales_mins(b + 4, &sc, &mn[c]);
+      scz[c] = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
+      qs[c] = b + (Q5 ? 48 : 16);
+      hb[c] = Q5 ? bcast256(load(b + 16)) : _mm512_setzero_si512();
+    }
+    __m512i acc[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      // [low nibbles | high nibbles] of 32 bytes: sub-blocks 2j and 2j + 1
-      __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs + 32 * j)), sh04), m0f);
-      if (Q5) {
-        const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(hb, shifts(2 * j, 2 * j + 1)), m01);
-        q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));
-      }
-      const __m512i s = _mm512_permutexvar_epi16(pick[j], scz);
-      for (int r = 0; r < R; ++r) {
-        const __m512i x = _mm512_loadu_si512(a.qrow(m0 + r) + i * 256 + 64 * j);
-        acc[r] = madd_acc_z<R>(acc[r], _mm512_maddubs_epi16(q, x), s);
+      __m512i x[R];
+      for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_si512(rw.q[r] + i * 256 + 64 * j);
+      for (int c = 0; c < C; ++c) {
+        // [low nibbles | high nibbles] of 32 bytes: sub-blocks 2j and 2j + 1
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs[c] + 32 * j)), sh04), m0f);
+        if (Q5) {
+          const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(hb[c], shifts(2 * j, 2 * j + 1)), m01);
+          q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));
+        }
+        const __m512i s = _mm512_permutexvar_epi16(pick[j], scz[c]);
+        for (int r = 0; r < R; ++r) acc[c][r] = madd_acc_z<R * C>(acc[c][r], _mm512_maddubs_epi16(q, x[r]), s);
       }
     }
-    const VI mins = widen32(mn);
-    for (int r = 0; r < R; ++r) {
-      const float dx = a.drow(m0 + r)[i];
-      const VI msum = madd(load(a.s32row(m0 + r) + i * 8), mins);
-      f[r] = fadd(f[r], fmsub_i(halves_sum(acc[r]), dx * d, fmul_i(msum, dx * dmin)));
+    for (int c = 0; c < C; ++c) {
+      const VI mins = widen32(mn[c]);
+      for (int r = 0; r < R; ++r) {
+        const float dx = rw.d[r][i];
+        const VI msum = madd(load(rw.s32[r] + i * 8), mins);
+        f[c][r] = fadd(f[c][r], fmsub_i(halves_sum(acc[c][r]), dx * d[c], fmul_i(msum, dx * dmin[c])));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[c * R + r] = hsum(f[c][r]);
+}
+
+template <int R, int C>
+void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const Rows<R> rw(a, m0);
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+  const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
+  __m512i pick[4];  // for (h, k): the scales of the four 16-value groups of 64 values, 8 i16 lanes each
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 2; ++k) {
+      const int g = 8 * h + 4 * k;
+      pick[2 * h + k] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
+          pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
+    }
+  VF f[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) f[c][r] = fzero();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b[C];
+    __m512i s16z[C];
+    for (int c = 0; c < C; ++c) {
+      b[c] = w[c] + i * 210;
+      s16z[c] = _mm512_castsi256_si512(scales16(reinterpret_cast<const int8_t*>(b[c] + 192)));
+    }
+    __m512i acc[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < C; ++c) {
+        const __m512i l = _mm512_loadu_si512(b[c] + 64 * h);  // low nibbles of chunks 0|1, high of 2|3
+        const __m512i hb = bcast256(load(b[c] + 128 + 32 * h));
+        const __m512i q[2] = {
+            _mm512_or_si512(_mm512_and_si512(l, m0f),
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh02), m3), 4)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh46), m3), 4)),
+        };
+        for (int k = 0; k < 2; ++k) {
+          const __m512i s = _mm512_permutexvar_epi16(pick[2 * h + k], s16z[c]);
+          for (int r = 0; r < R; ++r) {
+            const __m512i x = _mm512_loadu_si512(rw.q[r] + i * 256 + 128 * h + 64 * k);
+            acc[c][r] = madd_acc_z<R * C>(acc[c][r], _mm512_maddubs_epi16(q[k], x), s);
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const VI s16 = scales16(reinterpret_cast<const int8_t*>(b[c] + 192));
+      const float d = fp16(b[c] + 208);
+      for (int r = 0; r < R; ++r) {
+        const VI corr = madd(load(rw.s[r] + i * 16), s16);  // the -32 offset: 32 * sum(sc * bsum)
+        f[c][r] = fmadd_i(sub32(halves_sum(acc[c][r]), shl32(corr, 5)), rw.d[r][i] * d, f[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[c * R + r] = hsum(f[c][r]);
+}
+
+template <int R, bool Q5>
+void dot_q45k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  dot_q45k_zc<R, 1, Q5>(&w, nb, a, m0, out);
 }
 
 template <int R>
 void dot_q6k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
-  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
-  const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
-  VF f[R];
-  for (int r = 0; r < R; ++r) f[r] = fzero();
-  for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* b = w + i * 210;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = fp16(b + 208);
-    const __m512i s16z = _mm512_castsi256_si512(scales16(sc));
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-    for (int h = 0; h < 2; ++h) {
-      const __m512i l = _mm512_loadu_si512(b + 64 * h);  // low nibbles of chunks 0|1, high of 2|3
-      const __m512i hb = bcast256(load(b + 128 + 32 * h));
-      const __m512i c[2] = {
-          _mm512_or_si512(_mm512_and_si512(l, m0f),
-                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh02), m3), 4)),
-          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
-                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh46), m3), 4)),
-      };
-      for (int k = 0; k < 2; ++k) {
-        // the scales of the four 16-value groups of these 64 values, each over its 8 i16 lanes
-        const int g = 8 * h + 4 * k;
-        const __m512i idx = _mm512_inserti64x4(
-            _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
-            pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
-        const __m512i s = _mm512_permutexvar_epi16(idx, s16z);
-        for (int r = 0; r < R; ++r) {
-          const __m512i x = _mm512_loadu_si512(a.qrow(m0 + r) + i * 256 + 128 * h + 64 * k);
-          acc[r] = madd_acc_z<R>(acc[r], _mm512_maddubs_epi16(c[k], x), s);
-        }
-      }
-    }
-    const VI s16 = scales16(sc);
-    for (int r = 0; r < R; ++r) {
-      const VI corr = madd(load(a.srow(m0 + r) + i * 16), s16);
-      f[r] = fmadd_i(sub32(halves_sum(acc[r]), shl32(corr, 5)), a.drow(m0 + r)[i] * d, f[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+  dot_q6k_zc<R, 1>(&w, nb, a, m0, out);
 }
 
 template <int64_t T>
@@ -540,6 +600,7 @@ inline VI q32_weights(const uint8_t* b) {
 
 template <int R, int64_t T>
 void dot_q32_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const Rows<R> rw(a, m0);
   constexpr int64_t bytes = T == kQ8_0 ? 34 : (T == kQ4_0 ? 18 : 22);
   __m512 f[R];  // lanes 0-7: even blocks, 8-15: odd blocks
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
@@ -551,10 +612,10 @@ void dot_q32_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* o
     const __m512i aq = _mm512_abs_epi8(q);
     const __mmask64 neg = _mm512_movepi8_mask(q);
     for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_loadu_si512(a.qrow(m0 + r) + i * 32);
+      const __m512i x = _mm512_loadu_si512(rw.q[r] + i * 32);
       const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);  // x * sign(q), q != 0
       const __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sx);
-      const float* dx = a.drow(m0 + r) + i;
+      const float* dx = rw.d[r] + i;
       const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(dx[0] * d0), _mm256_set1_ps(dx[1] * d1), 1);
       f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), s, f[r]);
     }
@@ -565,8 +626,8 @@ void dot_q32_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* o
     if (i < nb) {  // a last, even block
       const uint8_t* b = w + i * bytes;
       const VI q = q32_weights<T>(b);
-      const VI l = dot4(abs8(q), sign8(load(a.qrow(m0 + r) + i * 32), q));
-      even = fmadd_i(l, a.drow(m0 + r)[i] * fp16(b), even);
+      const VI l = dot4(abs8(q), sign8(load(rw.q[r] + i * 32), q));
+      even = fmadd_i(l, rw.d[r][i] * fp16(b), even);
     }
     out[r] = hsum(fadd(even, odd));
   }
@@ -611,6 +672,23 @@ DotFn dot_fn(int64_t type, int rows) {
     case 8: return dot_for<8>(type);
 #endif
   }
+  return nullptr;
+}
+
+// Two channels at a time, for one or two rows (nullptr: not offered for this type / build).
+using Dot2Fn = void (*)(const uint8_t* const*, int64_t, const Acts&, int64_t, float*);
+Dot2Fn dot2_fn(int64_t type, int rows) {
+#if defined(SPECDEC_Z512)
+  if (rows == 1 || rows == 2) {
+    switch (type) {
+      case kQ4_K: return rows == 1 ? &dot_q45k_zc<1, 2, false> : &dot_q45k_zc<2, 2, false>;
+      case kQ5_K: return rows == 1 ? &dot_q45k_zc<1, 2, true> : &dot_q45k_zc<2, 2, true>;
+      case kQ6_K: return rows == 1 ? &dot_q6k_zc<1, 2> : &dot_q6k_zc<2, 2>;
+    }
+  }
+#endif
+  (void)type;
+  (void)rows;
   return nullptr;
 }
 
@@ -684,7 +762,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   at::BFloat16* yb = out_bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
   float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    float res[kMaxRows];
+    float res[2 * kMaxRows];
     for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < ntiles;
          t = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t s = tile_seg[t], type = types[s];
@@ -696,13 +774,26 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
         const int64_t m0 = g * kMaxRows;
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
         const DotFn fn = dot_fn(type, rows);
-        for (int64_t n = n0; n < n1; ++n) {
-          fn(wbase + (n - starts[s]) * row_bytes, nb, a, m0, res);
-          const float b = bp ? bp[n] : 0.f;
+        const Dot2Fn fn2 = dot2_fn(type, rows);
+        auto store = [&](int64_t n, const float* v) {
           for (int r = 0; r < rows; ++r) {
-            const float v = bp ? res[r] + b : res[r];
-            if (out_bf16) yb[(m0 + r) * N + n] = static_cast<at::BFloat16>(v);
-            else yf[(m0 + r) * N + n] = v;
+            const float o = bp ? v[r] + bp[n] : v[r];
+            if (out_bf16) yb[(m0 + r) * N + n] = static_cast<at::BFloat16>(o);
+            else yf[(m0 + r) * N + n] = o;
+          }
+        };
+        for (int64_t n = n0; n < n1;) {
+          const uint8_t* wn = wbase + (n - starts[s]) * row_bytes;
+          if (fn2 != nullptr && n + 1 < n1) {
+            const uint8_t* pair[2] = {wn, wn + row_bytes};
+            fn2(pair, nb, a, m0, res);
+            store(n, res);
+            store(n + 1, res + rows);
+            n += 2;
+          } else {
+            fn(wn, nb, a, m0, res);
+            store(n, res);
+            n += 1;
           }
         }
       }

@@ -1,0 +1,207 @@
+"""specdec's block kernels against llama.cpp's `llama-bench`, side by side in one run, same GGUF, same threads.
+
+    .venv/bin/python benchmarks/bench_kernels.py [--llama-bench PATH] [--threads 2] [--rounds 2]
+
+Measures, taking turns (llama.cpp, then specdec, `--rounds` times; the best of each is reported):
+- decode tokens/s of the target and of the draft (tg128: 128 tokens, one at a time, from an empty context)
+  and prefill tokens/s of the target (pp512: one pass of 512 tokens);
+- the cost of one target forward of M = 1, 2, 4, 8, 16 new tokens (after a 64-token context), relative
+  to M = 1: what verifying a draft of M - 1 tokens costs;
+- wall time from process start to the first token of `specdec generate` on the default target;
+- the size of $SPECDEC_HOME's pulled models and the resident memory of `specdec serve` after a request.
+
+llama-bench: by default the copy under ../shared/tools/llama.cpp-avx2 (built from the llama.cpp that the
+llama-cpp-python 0.3.36 source distribution vendors); to build one, `pip download --no-binary :all:
+--no-deps llama-cpp-python==0.3.36`, unpack it, and in `vendor/llama.cpp` run `cmake -B build
+-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench`.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from specdec.api import load_model
+from specdec.models.store import KNOWN_MODELS, gguf_path, specdec_home
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_LLAMA_BENCH = ROOT.parent / "shared" / "tools" / "llama.cpp-avx2" / "llama-bench"
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+ROWS = (1, 2, 4, 8, 16)
+
+
+def llama_bench(binary: Path, model: Path, threads: int, prompt: int, gen: int) -> dict[str, float]:
+    """{"pp": tokens/s, "tg": tokens/s} from llama-bench's JSON output (3 repetitions, its mean)."""
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{binary.parent / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    cmd = [str(binary), "-m", str(model), "-p", str(prompt), "-n", str(gen), "-t", str(threads), "-r", "3", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {done.stderr[-1000:]}")
+    out = {}
+    for row in json.loads(done.stdout):
+        kind = "pp" if row["n_prompt"] > 0 else "tg"
+        out[kind] = float(row["avg_ts"])
+    return out
+
+
+@torch.inference_mode()
+def decode_rate(model, tokens: int) -> float:
+    """Tokens/s of `tokens` greedy one-token forwards from an empty context (llama-bench's tg)."""
+    cache = model.new_cache(1, tokens + 64)
+    tok = torch.tensor([[0]])
+    model(tok, torch.tensor([[0]]), cache)  # warm-up: nothing committed
+    t0 = time.perf_counter()
+    for i in range(tokens):
+        logits = model(tok, torch.tensor([[i]]), cache)
+        cache.advance(0, 1)
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+    return tokens / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def prefill_rate(model, tokens: int) -> float:
+    """Tokens/s of one pass over `tokens` prompt tokens (llama-bench's pp)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    cache = model.new_cache(1, tokens + 64)
+    t0 = time.perf_counter()
+    model(ids, torch.arange(tokens)[None], cache, num_logits=1)
+    return tokens / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def row_costs(model, repeats: int = 5) -> dict[int, float]:
+    """Seconds (median of `repeats`) of one forward of M new tokens after a 64-token context."""
+    cache = model.new_cache(1, 128)
+    ctx = torch.randint(0, model.config.vocab_size, (1, 64))
+    model(ctx, torch.arange(64)[None], cache)
+    cache.advance(0, 64)
+    out = {}
+    for m in ROWS:
+        ids = torch.randint(0, model.config.vocab_size, (1, m))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids, torch.arange(64, 64 + m)[None], cache)
+            times.append(time.perf_counter() - t0)
+        out[m] = sorted(times)[len(times) // 2]
+    return out
+
+
+def start_to_first_token() -> float:
+    """Wall seconds of `specdec generate TARGET --max-tokens 1` in a fresh process (best of 2)."""
+    cmd = [sys.executable, "-m", "specdec", "generate", TARGET, "--prompt", "def add(a, b):", "--max-tokens", "1"]
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def serve_rss_mib() -> float:
+    """Resident memory (MiB) of `specdec serve` (default pair) after answering one request."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        body = json.dumps({"model": TARGET, "prompt": "def add(a, b):", "max_tokens": 8}).encode()
+        deadline = time.time() + 180
+        while True:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                urllib.request.urlopen(req, timeout=120).read()
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("specdec serve did not answer") from None
+                time.sleep(1)
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llama-bench", type=Path, default=DEFAULT_LLAMA_BENCH)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    have_llama = args.llama_bench.is_file()
+    if not have_llama:
+        print(f"no llama-bench at {args.llama_bench}: specdec's figures only", file=sys.stderr)
+
+    files = {name: gguf_path(KNOWN_MODELS[name]) for name in (TARGET, DRAFT)}
+    models = {name: load_model(name, torch.bfloat16, torch.device("cpu"), "gguf")[0] for name in (TARGET, DRAFT)}
+    best: dict[str, float] = {}
+
+    def keep(key: str, value: float, higher_is_better: bool = True) -> None:
+        old = best.get(key)
+        best[key] = value if old is None else (max(old, value) if higher_is_better else min(old, value))
+
+    costs: dict[int, float] = {}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
+        if have_llama:
+            lt = llama_bench(args.llama_bench, files[TARGET], args.threads, 512, 128)
+            keep("llama_target_tg128", lt["tg"])
+            keep("llama_target_pp512", lt["pp"])
+            keep("llama_draft_tg128", llama_bench(args.llama_bench, files[DRAFT], args.threads, 0, 128)["tg"])
+        keep("specdec_target_tg128", decode_rate(models[TARGET], 128))
+        keep("specdec_target_pp512", prefill_rate(models[TARGET], 512))
+        keep("specdec_draft_tg128", decode_rate(models[DRAFT], 128))
+        for m, t in row_costs(models[TARGET]).items():
+            costs[m] = min(costs.get(m, t), t)
+    del models
+    first_token = start_to_first_token()
+    home = specdec_home()
+    pulled = sum(f.stat().st_size for f in files.values())
+    store = sum(f.stat().st_size for f in (home / "gguf").glob("*") if f.is_file())
+    rss = serve_rss_mib()
+
+    rows = [
+        ("target decode, tokens/s (tg128)", "specdec_target_tg128", "llama_target_tg128"),
+        ("target prefill, tokens/s (pp512)", "specdec_target_pp512", "llama_target_pp512"),
+        ("draft decode, tokens/s (tg128)", "specdec_draft_tg128", "llama_draft_tg128"),
+    ]
+    print(f"\n| what (threads = {args.threads}) | specdec | llama.cpp | ratio |")
+    print("|---|---|---|---|")
+    for label, ours, theirs in rows:
+        ref = best.get(theirs)
+        ratio = f"{best[ours] / ref:.2f}x" if ref else "-"
+        print(f"| {label} | {best[ours]:.2f} | {ref:.2f} | {ratio} |" if ref else f"| {label} | {best[ours]:.2f} | - | - |")
+    print("\n| rows in one target forward | " + " | ".join(str(m) for m in ROWS) + " |")
+    print("|---|" + "---|" * len(ROWS))
+    print("| ms | " + " | ".join(f"{costs[m] * 1e3:.1f}" for m in ROWS) + " |")
+    print("| relative to 1 row | " + " | ".join(f"{costs[m] / costs[1]:.2f}" for m in ROWS) + " |")
+    print(f"\nprocess start to first token (specdec generate): {first_token:.2f} s")
+    print(f"$SPECDEC_HOME gguf/: {store / 2**30:.2f} GiB ({store / pulled:.2f}x the two GGUF files)")
+    print(f"specdec serve resident memory after one request: {rss:.0f} MiB")
+    result = {
+        **{k: round(v, 3) for k, v in best.items()},
+        "row_cost_ms": {m: round(costs[m] * 1e3, 2) for m in ROWS},
+        "row_cost_relative": {m: round(costs[m] / costs[1], 3) for m in ROWS},
+        "start_to_first_token_s": round(first_token, 2),
+        "store_bytes": store, "store_vs_gguf": round(store / pulled, 3),
+        "serve_rss_mib": round(rss), "threads": args.threads,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
