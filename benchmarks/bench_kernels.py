@@ -97,6 +97,28 @@ def row_costs(model, repeats: int = 5) -> dict[int, float]:
     return out
 
 
+@torch.inference_mode()
+def outside_matmuls(model, steps: int = 8) -> tuple[float, float]:
+    """(ms per one-token step, of which ms outside the block matmuls), from torch's profiler."""
+    from torch.profiler import profile
+
+    cache = model.new_cache(1, 128)
+    ctx = torch.randint(0, model.config.vocab_size, (1, 64))
+    model(ctx, torch.arange(64)[None], cache)
+    cache.advance(0, 64)
+    tok = torch.tensor([[1]])
+    model(tok, torch.tensor([[64]]), cache)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model(tok, torch.tensor([[64]]), cache)
+    wall = (time.perf_counter() - t0) / steps  # without the profiler's own overhead
+    with profile() as prof:
+        for _ in range(steps):
+            model(tok, torch.tensor([[64]]), cache)
+    matmul = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.endswith("::qmm")) / 1e6 / steps
+    return wall * 1e3, (wall - matmul) * 1e3
+
+
 def start_to_first_token() -> float:
     """Wall seconds of `specdec generate TARGET --max-tokens 1` in a fresh process (best of 2)."""
     cmd = [sys.executable, "-m", "specdec", "generate", TARGET, "--prompt", "def add(a, b):", "--max-tokens", "1"]
@@ -167,6 +189,9 @@ def main() -> None:
         keep("specdec_draft_tg128", decode_rate(models[DRAFT], 128))
         for m, t in row_costs(models[TARGET]).items():
             costs[m] = min(costs.get(m, t), t)
+        step, outside = outside_matmuls(models[TARGET])
+        keep("step_ms", step, higher_is_better=False)
+        keep("outside_matmuls_ms", outside, higher_is_better=False)
     del models
     first_token = start_to_first_token()
     home = specdec_home()
@@ -189,7 +214,9 @@ def main() -> None:
     print("|---|" + "---|" * len(ROWS))
     print("| ms | " + " | ".join(f"{costs[m] * 1e3:.1f}" for m in ROWS) + " |")
     print("| relative to 1 row | " + " | ".join(f"{costs[m] / costs[1]:.2f}" for m in ROWS) + " |")
-    print(f"\nprocess start to first token (specdec generate): {first_token:.2f} s")
+    print(f"\none-token target step: {best['step_ms']:.1f} ms, of which {best['outside_matmuls_ms']:.1f} ms outside "
+          "the block matmuls (attention, norms, rope, sampling glue)")
+    print(f"process start to first token (specdec generate): {first_token:.2f} s")
     print(f"$SPECDEC_HOME gguf/: {store / 2**30:.2f} GiB ({store / pulled:.2f}x the two GGUF files)")
     print(f"specdec serve resident memory after one request: {rss:.0f} MiB")
     result = {

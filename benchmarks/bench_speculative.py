@@ -16,11 +16,11 @@ import argparse
 import gzip
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.data import DATA_DIR
 from specdec.engine import Engine
 from specdec.metrics import SpecMetrics
 from specdec.speculative.degraded import PermutedLogitsModel
@@ -29,7 +29,7 @@ from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, de
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
 from specdec.speculative.tree import DynamicTree
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = DATA_DIR  # the prompt sets shipped with specdec
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 

@@ -31,11 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from specdec.data import DATA_DIR
+
+DATA = DATA_DIR  # the prompt sets shipped with specdec
 MODES = {
     "off": [],
     "fixed K=5": ["--speculative-model", "qwen2.5-coder-0.5b-instruct", "--num-speculative-tokens", "5"],

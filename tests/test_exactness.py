@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.config import SamplingParams
+from specdec.data import DATA_DIR
 from specdec.engine import Engine
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = DATA_DIR  # the prompt sets shipped with specdec
 pytestmark = pytest.mark.real
 
 

@@ -153,3 +153,28 @@ def test_gguf_model_on_the_kernels_is_close_to_float_and_exact_under_speculation
     out = spec.generate(["ab"], greedy)[0]
     assert spec.quantization == "gguf" and out.token_ids == plain.token_ids
     assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens == out.metrics.num_draft_tokens
+
+
+@pytest.mark.real
+def test_real_target_rows_are_invariant_for_every_block_type_in_the_files():
+    """The default pair's own tensors, one of each (type, shape): rows alone vs rows in passes of 2-64."""
+    from specdec.models.gguf_file import GGUFFile
+    from specdec.models.store import KNOWN_MODELS, gguf_path, pull
+
+    seen = set()
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
+        pull(name, progress=False)
+        for t in GGUFFile(gguf_path(KNOWN_MODELS[name])).tensors:
+            key = (int(t.tensor_type), tuple(t.shape))
+            if int(t.tensor_type) not in qgemm.SUPPORTED_TYPES or len(t.shape) != 2 or key in seen:
+                continue
+            seen.add(key)
+            w = torch.from_numpy(np.asarray(t.data))[:96]  # 96 output channels of it
+            x = torch.randn(64, int(t.shape[0]), dtype=torch.bfloat16)
+            alone = torch.cat([qgemm.qmm(x[m:m + 1], [w], [int(t.tensor_type)]) for m in range(64)])
+            for M in (2, 3, 6, 9, 64):
+                assert torch.equal(qgemm.qmm(x[:M], [w], [int(t.tensor_type)]), alone[:M]), (t.name, M)
+            ref = reference(x[:4].float(), w, int(t.tensor_type))
+            y = qgemm.qmm(x[:4].float(), [w], [int(t.tensor_type)]).double()
+            assert torch.allclose(y, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item()), t.name
+    assert {t for t, _ in seen} >= {8, 6, 12, 14}  # Q8_0, Q5_0, Q4_K and Q6_K all covered

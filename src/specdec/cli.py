@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--batch-size", type=int, default=4)
     heads.add_argument("--lr", type=float, default=1e-3)
     heads.add_argument("--cls-weight", type=float, default=0.1, help="EAGLE: token loss weight (feature loss: 1)")
-    heads.add_argument("--data-dir", help="the prompt sets (default ../shared/data)")
+    heads.add_argument("--data-dir", help="the prompt sets (default: the ones shipped in specdec/data)")
     heads.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     heads.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     heads.add_argument("--device")

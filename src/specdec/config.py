@@ -152,7 +152,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # draft model numerics: weight-only quantization of the draft (never of the target)
-    draft_quantization: str = "auto"  # auto | none | int8 | int4
+    draft_quantization: str = "auto"  # one of QUANTIZATIONS
     draft_dtype: str | None = None
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this run (vLLM)
     # medusa / eagle: a tree draft, as Medusa-style paths of child ranks ([[0], [1], [0, 0]]), "default"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,8 @@ from torch import nn
 from specdec.cache import KVCache
 from specdec.config import ModelConfig
 from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
-from specdec.models.qlinear import QuantEmbedding, QuantLinear
+from specdec.kernels.qgemm import quantize_q8_0
+from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear
 from specdec.models.quant import Int8Linear
 
 HEAD_METHODS = ("medusa", "eagle")
@@ -136,16 +138,34 @@ class _Head(nn.Module):
         self.config = config
         self.register_buffer("vocab_ids", torch.arange(config.vocab_size))
         self.register_buffer("lm_rows", torch.zeros(config.vocab_size, config.hidden_size), persistent=False)
+        self.lm_head: QuantLinear | None = None  # the target's own blocks for these rows (see to_block_kernels)
+        self.dtype = torch.float32  # of the activations; set by attach
 
     def attach(self, target) -> "_Head":
         """Take the target's output rows (and embedding, for EAGLE); move to its device and dtype."""
         self.to(device=target.device)
-        dtype = next(self.parameters()).dtype
-        self.lm_rows = output_rows(target, self.vocab_ids).to(target.device, dtype)
+        self.dtype = next(self.parameters()).dtype
+        self.lm_rows = output_rows(target, self.vocab_ids).to(target.device, self.dtype)
+        return self
+
+    def to_block_kernels(self, target) -> "_Head":
+        """Run on the target's block kernels (a target loaded from GGUF blocks): the output layer is the
+        target's own blocks for the reduced vocabulary, every other matrix Q8_0. Inference only."""
+        self.lm_head = QuantLinear([(target.lm_head.blocks[0][self.vocab_ids.cpu()], target.lm_head.types[0])],
+                                   self.config.hidden_size)
+        self.lm_rows = torch.zeros(0, self.config.hidden_size, dtype=self.dtype)
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+                    blocks = quantize_q8_0(child.weight.detach().float())
+                    bias = None if child.bias is None else child.bias.detach().float()
+                    setattr(parent, name, QuantLinear([(blocks, Q8_0)], child.in_features, bias))
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., vocab_size] fp32 logits over the reduced vocabulary."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden.to(self.dtype)).float()
         return torch.matmul(hidden.to(self.lm_rows.dtype), self.lm_rows.t()).float()
 
     def expand(self, reduced: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -198,7 +218,7 @@ class EagleHead(_Head):
         return self
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return KVCache(self.config.layer_config(), batch_size, capacity, self.fc.weight.dtype, self.fc.weight.device)
+        return KVCache(self.config.layer_config(), batch_size, capacity, self.dtype, self.vocab_ids.device)
 
     def forward(
         self,
@@ -210,7 +230,7 @@ class EagleHead(_Head):
     ) -> torch.Tensor:
         """The predicted hidden state of token t + 1, [B, T, H]. Like `Transformer.forward`, writes the new
         K/V past each row's committed length and commits nothing."""
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         x = torch.cat([features.to(dtype), self.embed(next_tokens).to(dtype)], -1)
         cos, sin, write_slots, full_mask, key_index = attention_inputs(cache, positions, mask, self.inv_freq, dtype)
         h = self.layer(self.fc(x), cos, sin, cache, write_slots, full_mask, key_index)
@@ -271,11 +291,11 @@ def load_heads(directory: str | Path, target, method: str | None = None) -> _Hea
     head = HEAD_CLASSES[config.method](config)
     state = load_file(str(Path(directory) / "model.safetensors"))
     head.load_state_dict(state)
-    dtype = target.dtype
-    return head.to(dtype=dtype).attach(target).requires_grad_(False).eval()
+    head = head.to(dtype=target.dtype).attach(target).requires_grad_(False).eval()
+    return head.to_block_kernels(target) if isinstance(target.lm_head, QuantLinear) else head
 
 
 def head_bytes(head: nn.Module) -> int:
     """Memory of the heads: their own weights plus their copy of the target's output rows."""
-    own = sum(t.numel() * t.element_size() for t in head.state_dict().values())
-    return own + head.lm_rows.numel() * head.lm_rows.element_size()
+    tensors = {t.data_ptr(): t for t in itertools.chain(head.parameters(), head.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -2,7 +2,8 @@
 
 Data (all available without a network):
 - the Python standard library's sources, cut into windows of `seq_len` tokens (seeded order);
-- self-distillation: the target's own greedy answers to the *training split* of ../shared/data
+- self-distillation: the target's own greedy answers to the *training split* of specdec's prompt sets
+  (`specdec/data`)
   (HumanEval tasks 100-163 and the second half of every Spec-Bench category). Benchmarks and tests draw
   only from the other split (HumanEval 0-99, the first half of each category): see `prompt_split`.
 
@@ -35,9 +36,10 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specdec.config import SamplingParams
+from specdec.data import DATA_DIR
 from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, embedding_table, save_heads
 
-DEFAULT_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
+DEFAULT_DATA = DATA_DIR  # the prompt sets shipped with specdec (package data)
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ class EagleProposer(_FeatureProposer):
         if width == 0:
             return [None] * len(seqs)
         H = self.head.config.hidden_size
-        feats = torch.zeros(len(seqs), width, H, dtype=self.head.fc.weight.dtype, device=device)
+        feats = torch.zeros(len(seqs), width, H, dtype=self.head.dtype, device=device)
         tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
         positions = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
         for b, (start, f, t) in enumerate(pairs):
