@@ -84,7 +84,7 @@ def test_rows_are_invariant_to_batch_position_and_threads(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
 def test_every_build_gives_the_same_bits(qtype):
-    K, N = 768 if qtype in (12, 13, 14) else 96, 24  # an odd count of 32-blocks too (96 = 3 x 32)
+    K, N = 768 if qtype in (12, 13, 14) else 800, 24  # 25 blocks of 32: groups of 8, a pair and an odd one
     w = random_blocks(qtype, N, K, seed=2)
     x = torch.randn(11, K)
     outs = [qgemm.qmm(x, [w], [qtype], isa=isa) for isa in ISAS]
@@ -178,3 +178,32 @@ def test_real_target_rows_are_invariant_for_every_block_type_in_the_files():
             y = qgemm.qmm(x[:4].float(), [w], [int(t.tensor_type)]).double()
             assert torch.allclose(y, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item()), t.name
     assert {t for t, _ in seen} >= {8, 6, 12, 14}  # Q8_0, Q5_0, Q4_K and Q6_K all covered
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rope_is_bit_identical_to_the_float_path(dtype):
+    from specdec.models.llama import rotate_half
+
+    x = torch.randn(2, 5, 24, dtype=dtype)[..., :16].reshape(2, 5, 2, 8)  # strided, as a split of qkv is
+    angles = torch.randn(2, 5, 4)
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    ref = x * cos.unsqueeze(2) + rotate_half(x) * sin.unsqueeze(2)
+    assert torch.equal(qgemm.ops().rope(x, cos, sin), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rms_norm_matches_the_float_path_and_is_row_invariant(dtype):
+    from specdec.models.llama import RMSNorm
+
+    norm = RMSNorm(1536, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    norm = norm.to(dtype)
+    x = (torch.randn(9, 1536) * 3).to(dtype)
+    ref = norm(x)
+    norm.fused = True
+    y = norm(x)
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5  # at most one bf16 rounding step apart
+    assert torch.allclose(y.float(), ref.float(), rtol=2 * step, atol=1e-6)
+    assert torch.equal(torch.cat([norm(x[i:i + 1]) for i in range(9)]), y)

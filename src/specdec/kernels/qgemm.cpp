@@ -598,22 +598,60 @@ inline VI q32_weights(const uint8_t* b) {
   return sub8(or_(nibbles16(b + 6), bit4_from_bits(b + 2)), set8(16));
 }
 
+// 32-value blocks as signed bytes (the zmm build: Q5_0's fifth bit through a mask instead of a shuffle);
+// the same bytes as q32_weights.
+template <int64_t T>
+inline VI q32_weights_z(const uint8_t* b) {
+  if (T == kQ8_0) return load(b + 2);
+  if (T == kQ4_0) return sub8(nibbles16(b + 2), set8(8));
+  uint32_t high;
+  std::memcpy(&high, b + 2, 4);
+  const VI nib = nibbles16(b + 6);  // (nib | 16 * bit) - 16: nib where the bit is set, nib - 16 elsewhere
+  return _mm256_mask_sub_epi8(nib, static_cast<__mmask32>(~high), nib, set8(16));
+}
+
 template <int R, int64_t T>
 void dot_q32_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
   constexpr int64_t bytes = T == kQ8_0 ? 34 : (T == kQ4_0 ? 18 : 22);
-  __m512 f[R];  // lanes 0-7: even blocks, 8-15: odd blocks
+  __m512 f[R];  // lanes 0-7: even blocks, 8-15: odd blocks, each in block order
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  __m512i pick[4];  // fp32 lanes 0-7: block 2p's scale, 8-15: block 2p + 1's
+  for (int p = 0; p < 4; ++p)
+    pick[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
   int64_t i = 0;
+  for (; i + 8 <= nb; i += 8) {  // 8 blocks: their 8 scales converted at once, one product per row
+    const uint8_t* b = w + i * bytes;
+    uint16_t h[8];
+    for (int k = 0; k < 8; ++k) std::memcpy(h + k, b + k * bytes, 2);  // the fp16 scale leads each block
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    __m512i aq[4];
+    __mmask64 neg[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q32_weights_z<T>(b + 2 * p * bytes)),
+                                           q32_weights_z<T>(b + (2 * p + 1) * bytes), 1);
+      aq[p] = _mm512_abs_epi8(q);
+      neg[p] = _mm512_movepi8_mask(q);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s8 = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(rw.d[r] + i), dw));  // dx * d
+      for (int p = 0; p < 4; ++p) {
+        const __m512i x = _mm512_loadu_si512(rw.q[r] + (i + 2 * p) * 32);
+        const __m512i sx = _mm512_mask_sub_epi8(x, neg[p], _mm512_setzero_si512(), x);  // x * sign(q), q != 0
+        const __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq[p], sx);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), _mm512_permutexvar_ps(pick[p], s8), f[r]);
+      }
+    }
+  }
   for (; i + 2 <= nb; i += 2) {
     const uint8_t* b = w + i * bytes;
     const float d0 = fp16(b), d1 = fp16(b + bytes);
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q32_weights<T>(b)), q32_weights<T>(b + bytes), 1);
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q32_weights_z<T>(b)), q32_weights_z<T>(b + bytes), 1);
     const __m512i aq = _mm512_abs_epi8(q);
     const __mmask64 neg = _mm512_movepi8_mask(q);
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_loadu_si512(rw.q[r] + i * 32);
-      const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);  // x * sign(q), q != 0
+      const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
       const __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sx);
       const float* dx = rw.d[r] + i;
       const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(dx[0] * d0), _mm256_set1_ps(dx[1] * d1), 1);
@@ -625,7 +663,7 @@ void dot_q32_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* o
     const VF odd = _mm512_extractf32x8_ps(f[r], 1);
     if (i < nb) {  // a last, even block
       const uint8_t* b = w + i * bytes;
-      const VI q = q32_weights<T>(b);
+      const VI q = q32_weights_z<T>(b);
       const VI l = dot4(abs8(q), sign8(load(rw.q[r] + i * 32), q));
       even = fmadd_i(l, rw.d[r][i] * fp16(b), even);
     }
@@ -820,10 +858,92 @@ std::vector<at::Tensor> quantize_acts(at::Tensor x, int64_t bs) {
 
 int64_t max_rows() { return kMaxRows; }
 
+// ---- the elementwise work around the matmuls, one op each (fewer dispatches per layer) ----------
+// Row by row in scalar code (no reassociation: -ffp-contract=off, no -ffast-math), so every build and
+// any number of rows give the same bits.
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+// y = w * bf16(x * rsqrt(mean(x^2) + eps)) per row of the last dimension (the RMSNorm of Llama/Qwen2,
+// rounded as the float path rounds: the normalized row to x's dtype, then the product with w).
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t H, double eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * H;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // 8 partial sums, then one fixed order
+      for (int64_t i = 0; i < H; ++i) acc[i & 7] += f32(xr[i]) * f32(xr[i]);
+      const float ss = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) y[r * H + i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(f32(xr[i]) * inv)));
+    }
+  });
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == w.scalar_type(), "rms_norm: CPU tensors of one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "rms_norm: bf16 or fp32");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(w.numel() == H, "rms_norm: weight must have ", H, " values");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = at::empty(x.sizes(), x.options());
+  const int64_t rows = H ? x.numel() / H : 0;
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, H, eps);
+  else
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, H, eps);
+  return y;
+}
+
+// Rotary embedding, rotate-half layout: y = x * cos + rotate_half(x) * sin, each product and the sum
+// rounded to x's dtype as the float path rounds them. x: [B, T, heads, D] (any strides), cos/sin:
+// [B, T, D] contiguous. Returns a contiguous [B, T, heads, D].
+template <typename T>
+void rope_rows(const at::Tensor& x, const T* cs, const T* sn, T* y) {
+  const int64_t B = x.size(0), Tn = x.size(1), Hn = x.size(2), D = x.size(3), half = D / 2;
+  const T* xp = x.data_ptr<T>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2), sd = x.stride(3);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < Tn; ++t) {
+      const T* c = cs + (b * Tn + t) * D;
+      const T* s = sn + (b * Tn + t) * D;
+      for (int64_t h = 0; h < Hn; ++h) {
+        const T* xr = xp + b * sb + t * st + h * sh;
+        T* yr = y + ((b * Tn + t) * Hn + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rot = d < half ? -f32(xr[(d + half) * sd]) : f32(xr[(d - half) * sd]);
+          const T a = static_cast<T>(f32(xr[d * sd]) * f32(c[d]));
+          const T bb = static_cast<T>(rot * f32(s[d]));
+          yr[d] = static_cast<T>(f32(a) + f32(bb));
+        }
+      }
+    }
+}
+
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && x.device().is_cpu(), "rope: x [B, T, heads, D], cos/sin [B, T, D]");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(), "rope: one dtype");
+  TORCH_CHECK(x.size(3) % 2 == 0 && cos.size(2) == x.size(3), "rope: head_dim mismatch");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto y = at::empty({x.size(0), x.size(1), x.size(2), x.size(3)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rope_rows<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    rope_rows<at::BFloat16>(x, cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  else
+    TORCH_CHECK(false, "rope: bf16 or fp32");
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("max_rows() -> int", &max_rows);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
 }

@@ -22,6 +22,7 @@ from torch import nn
 
 from specdec.cache import KVCache
 from specdec.config import ModelConfig
+from specdec.kernels import qgemm
 
 
 KEY_BLOCK = 64  # attention key length granularity; KV cache capacities are multiples of it
@@ -79,8 +80,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # one CPU op instead of eight (set for models on the block kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.device.type == "cpu":
+            return qgemm.ops().rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -129,11 +133,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         # Q, K and V as one matrix (set by `fuse_qkv`): one pass over the activations instead of three
         self.qkv_proj: nn.Module | None = None
+        self.fused_rope = False  # rope as one CPU op (bit-identical to the float path; set by `fuse_qkv`)
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
     def fuse_qkv(self, qkv_proj: nn.Module) -> None:
         """Use one module computing concat(q, k, v) in place of q_proj, k_proj and v_proj."""
         self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv_proj, None, None, None
+        self.fused_rope = True
 
     def forward(
         self,
@@ -153,9 +159,12 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if self.fused_rope and x.device.type == "cpu":
+            q, k = qgemm.ops().rope(q, cos, sin), qgemm.ops().rope(k, cos, sin)
+        else:
+            cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
 
         S = mask.shape[-1]
         k_cache, v_cache = cache.keys[self.layer_idx], cache.values[self.layer_idx]

@@ -28,7 +28,7 @@ from specdec.config import ModelConfig
 from specdec.kernels.qgemm import quantize_q8_0
 from specdec.models.dequant import dequantize, dequantize_rows
 from specdec.models.gguf_file import GGUFFile
-from specdec.models.llama import Transformer, meta_skeleton, rope_inv_freq
+from specdec.models.llama import RMSNorm, Transformer, meta_skeleton, rope_inv_freq
 from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear, kernel_blocks
 from specdec.models.tokenizer import Tokenizer, gguf_eos_token_ids, gguf_field
 
@@ -417,6 +417,9 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         layer.input_layernorm.weight = norm(p + "input_layernorm.weight")
         layer.post_attention_layernorm.weight = norm(p + "post_attention_layernorm.weight")
     model.model.norm.weight = norm("model.norm.weight")
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = True
     head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
     model.lm_head = linear([head])  # before the embedding: a float source hands each matrix over once
     if head == "model.embed_tokens.weight":
