@@ -78,13 +78,18 @@ def prefill_rate(model, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def with_context(model, tokens: int = 64):
+    """A one-row cache holding `tokens` committed random tokens (room for 64 more)."""
+    cache = model.new_cache(1, tokens + 64)
+    model(torch.randint(0, model.config.vocab_size, (1, tokens)), torch.arange(tokens)[None], cache)
+    cache.advance(0, tokens)
+    return cache
+
+
 @torch.inference_mode()
 def row_costs(model, repeats: int = 5) -> dict[int, float]:
     """Seconds (median of `repeats`) of one forward of M new tokens after a 64-token context."""
-    cache = model.new_cache(1, 128)
-    ctx = torch.randint(0, model.config.vocab_size, (1, 64))
-    model(ctx, torch.arange(64)[None], cache)
-    cache.advance(0, 64)
+    cache = with_context(model)
     out = {}
     for m in ROWS:
         ids = torch.randint(0, model.config.vocab_size, (1, m))
@@ -102,10 +107,7 @@ def outside_matmuls(model, steps: int = 8) -> tuple[float, float]:
     """(ms per one-token step, of which ms outside the block matmuls), from torch's profiler."""
     from torch.profiler import profile
 
-    cache = model.new_cache(1, 128)
-    ctx = torch.randint(0, model.config.vocab_size, (1, 64))
-    model(ctx, torch.arange(64)[None], cache)
-    cache.advance(0, 64)
+    cache = with_context(model)
     tok = torch.tensor([[1]])
     model(tok, torch.tensor([[64]]), cache)
     t0 = time.perf_counter()
