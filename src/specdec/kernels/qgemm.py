@@ -42,6 +42,7 @@ BLOCK = {2: (32, 18), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176), 
 
 _lock = threading.Lock()
 _ops: dict[str, object] = {}
+_error: str | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,6 +92,18 @@ def ops(isa: str | None = None):
             )
             _ops[isa] = getattr(torch.ops, lib)
     return _ops[isa]
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels of this CPU's build are (or can be) compiled and loaded, else why not
+    (no C++ compiler, no ninja, ...). Builds them on first call."""
+    global _error
+    if _error is None and best_isa() not in _ops:
+        try:
+            ops()
+        except Exception as exc:  # a missing compiler or build tool
+            _error = f"{type(exc).__name__}: {str(exc)[-500:]}"
+    return _error
 
 
 def qmm(

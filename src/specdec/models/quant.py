@@ -1,6 +1,7 @@
-"""Weight-only int8 / int4 linear layers.
+"""Choosing the weight format (`resolve_quantization`), and the earlier weight-only int8 / int4 layers.
 
-A draft's numerics change only how often it agrees with the target, never the output, so the draft may
+The default on CPU is the GGUF's own blocks on specdec's integer kernels (`specdec.models.qlinear`,
+`specdec.kernels.qgemm`). The int8 / int4 formats below remain for comparison. A draft's numerics change only how often it agrees with the target, never the output, so the draft may
 use cheaper kernels than the target (whose numerics must be the same in plain and speculative runs).
 int8 layers run specdec's own AVX2 kernel (`specdec.kernels`): it converts each weight chunk once and
 uses it for every row, so verifying 6 rows costs far less than 6 one-row steps, and it gives every row
@@ -10,11 +11,13 @@ and speculative decoding alike.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from specdec.config import QUANTIZATIONS
-from specdec.kernels import available as int8_kernel_available, int8_linear
+from specdec.kernels import available as int8_kernel_available, int8_linear, qgemm
 
 
 class Int8Linear(nn.Module):
@@ -73,7 +76,14 @@ def resolve_quantization(method: str, device: torch.device) -> str:
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; choose {', '.join(QUANTIZATIONS)}")
     if method == "auto":
-        return "gguf" if device.type == "cpu" else "none"
+        if device.type != "cpu":
+            return "none"
+        reason = qgemm.unavailable_reason()
+        if reason is not None:
+            warnings.warn(f"specdec's block kernels cannot be built here ({reason}); running float weights",
+                          RuntimeWarning, stacklevel=2)
+            return "none"
+        return "gguf"
     if method != "none" and device.type != "cpu":
         raise ValueError(f"quantization {method!r} runs on CPU kernels; use 'none' on {device.type}")
     return method
