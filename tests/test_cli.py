@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from specdec.cli import main
+from specdec.server.cli import add_serve_arguments, load_for_serving, read_chat_template
 from test_tokenizer import write_tiny_gguf
 
 
@@ -71,3 +73,30 @@ def test_train_heads_then_generate_with_them(tiny_gguf, tmp_path, capsys):
     (out / "config.json").write_text(json.dumps(cfg))
     assert main(args + ["--speculative-config", config]) == 2
     assert "were trained for target" in capsys.readouterr().err
+
+
+def test_the_seeds_vllm_serve_command_is_accepted(tiny_gguf, capsys):
+    """`serve TARGET --speculative-model DRAFT --num-speculative-tokens 5 --gpu-memory-utilization 0.95`,
+    as a vLLM user types it, plus vLLM's other common flags (a dry run: load, report, exit)."""
+    args = ["serve", tiny_gguf, "--speculative-model", tiny_gguf, "--num-speculative-tokens", "5",
+            "--gpu-memory-utilization", "0.95", "--seed", "0", "--tensor-parallel-size", "1",
+            "--max-num-batched-tokens", "64", "--disable-log-requests", "--uvicorn-log-level", "warning",
+            "--trust-remote-code", "--enforce-eager", "--dry-run"]
+    assert main(args) == 0
+    assert "speculative" in capsys.readouterr().out.lower()
+
+
+def test_vllm_flags_that_cannot_apply_are_refused_clearly(tiny_gguf, tmp_path, capsys):
+    assert main(["serve", tiny_gguf, "--tensor-parallel-size", "2", "--dry-run"]) == 2
+    assert "one device" in capsys.readouterr().err
+    assert main(["serve", tiny_gguf, "--chat-template", "no-such-file", "--dry-run"]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
+
+
+def test_chat_template_flag_replaces_the_models_template(tiny_gguf, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args([tiny_gguf, "--chat-template", str(template)])
+    llm = load_for_serving(args, tiny_gguf, None)
+    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
+    assert read_chat_template("{{ messages }}") == "{{ messages }}"

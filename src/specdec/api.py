@@ -110,6 +110,7 @@ class LLM:
         device: str | None = None,
         max_num_seqs: int = 1,
         memory_utilization: float = 0.9,
+        prefill_chunk: int = 512,
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.quantization = resolve_quantization(quantization, self.device)
@@ -148,6 +149,7 @@ class LLM:
             adaptive=bool(self.spec and self.spec.adaptive),
             max_model_len=self.max_model_len,
             max_batch_size=self.memory_plan.max_num_seqs,
+            prefill_chunk=prefill_chunk,
             disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
         )
         self._ids = itertools.count()

@@ -202,6 +202,11 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------------
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja) instead of the model's chat template (`serve --chat-template`)."""
+        self.chat_template = template
+        self.__dict__.pop("_compiled_template", None)  # compiled again on next use
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """The prompt text for a conversation, rendered by the model's own template as transformers does."""
         if not self.chat_template:

@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -29,8 +30,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="draft K tokens per step (fixed K; without it K adapts up to 5)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculation as JSON, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    parser.add_argument("--memory-utilization", type=_fraction, default=None, metavar="F",
-                        help="fraction of the device memory the engine may take, in (0, 1]")
+    parser.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
+                        type=_fraction, default=None, metavar="F",
+                        help="fraction of the device memory the engine may take, in (0, 1] (vLLM's "
+                             "--gpu-memory-utilization: of the GPU's memory on CUDA, of RAM on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (tokens)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
@@ -50,7 +53,44 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients use (default: TARGET as given)")
+    # vLLM's flags, with vLLM's meanings where they apply here
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the random generator that samples requests carrying no seed")
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="N",
+                        help="prompt tokens read per engine step at most (chunked prefill; default 512)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (a file, or the template itself) instead of the model's")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                        help="devices per model: 1 (more are refused)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                        help="pipeline stages: 1 (more are refused)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="no line per request in the log (uvicorn's access log)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines; specdec never runs a model's code")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="accepted for vLLM's command lines; specdec always runs eagerly")
     return parser
+
+
+def check_vllm_flags(args: argparse.Namespace) -> None:
+    """Refuse, with a reason, vLLM flags whose values cannot apply here."""
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                        ("--pipeline-parallel-size", args.pipeline_parallel_size)):
+        if value != 1:
+            raise ValueError(f"{flag} {value}: specdec runs a model on one device; use {flag} 1")
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the argument itself when it is not a file (as vLLM does)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -64,7 +104,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.memory import MemoryBudgetError
 
     try:
-        llm = _load(args, target, draft)
+        check_vllm_flags(args)
+        llm = load_for_serving(args, target, draft)
     except (ValueError, LookupError, FileNotFoundError, NotImplementedError, MemoryBudgetError) as e:
         print(f"specdec serve: {e}", file=sys.stderr)
         return 2
@@ -75,7 +116,10 @@ def run_serve(args: argparse.Namespace) -> int:
     return _serve(llm, names, args)
 
 
-def _load(args: argparse.Namespace, target: str, draft: str | None):
+def load_for_serving(args: argparse.Namespace, target: str, draft: str | None):
+    """The LLM that `serve` runs, built from its flags (known models pulled first)."""
+    import torch
+
     from specdec.api import LLM
 
     _pull_if_needed(target)
@@ -92,7 +136,14 @@ def _load(args: argparse.Namespace, target: str, draft: str | None):
                                   max_num_seqs=args.max_num_seqs)
     if args.memory_utilization is not None:
         kwargs["memory_utilization"] = args.memory_utilization
-    return LLM(**kwargs)
+    if args.max_num_batched_tokens is not None:
+        kwargs["prefill_chunk"] = args.max_num_batched_tokens
+    llm = LLM(**kwargs)
+    if args.chat_template is not None:
+        llm.tokenizer.set_chat_template(read_chat_template(args.chat_template))
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    return llm
 
 
 def _pull_if_needed(name_or_path: str) -> None:
@@ -118,7 +169,8 @@ def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
     app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)  # outside the main thread uvicorn leaves the signals alone
 
     def serve_http() -> None:
