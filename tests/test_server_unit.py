@@ -734,12 +734,12 @@ SIGTERM_SERVER = textwrap.dedent("""
     import argparse, sys
     sys.path.insert(0, {tests!r})
     from test_server_unit import FakeEngine
-    from specdec.server.cli import _serve
+    from specdec.server.cli import _serve, add_serve_arguments
 
     class FakeLLM:
         engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
 
-    args = argparse.Namespace(host="127.0.0.1", port={port}, api_key=None, max_waiting_requests=None)
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--port", "{port}"])
     sys.exit(_serve(FakeLLM(), ["fake-model"], args))
 """)
 
