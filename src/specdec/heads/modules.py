@@ -296,6 +296,7 @@ def load_heads(directory: str | Path, target, method: str | None = None) -> _Hea
 
 
 def head_bytes(head: nn.Module) -> int:
-    """Memory of the heads: their own weights plus their copy of the target's output rows."""
+    """Memory of the heads: their weights and buffers (the target's output rows for their vocabulary
+    included, as a float copy or as blocks), each tensor counted once."""
     tensors = {t.data_ptr(): t for t in itertools.chain(head.parameters(), head.buffers())}
     return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -12,13 +12,14 @@ torch's `_weight_int8pack_mm` and warns once; `available()` says which path is i
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import warnings
 from pathlib import Path
 
 import torch
+
+from specdec.kernels.build import build_ops
 
 _SOURCE = Path(__file__).with_name("int8_gemm.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
@@ -54,17 +55,7 @@ def _load():
             _error = "this CPU lacks AVX2/FMA/F16C"
             return None
         try:
-            from torch.utils import cpp_extension
-
-            digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-            cpp_extension.load(
-                name=f"specdec_int8_gemm_{digest}",
-                sources=[str(_SOURCE)],
-                extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,  # registers torch.ops.specdec_int8.int8_mm
-                verbose=False,
-            )
+            build_ops("specdec_int8_gemm", _SOURCE, _FLAGS)  # registers torch.ops.specdec_int8.int8_mm
             _module = torch.ops.specdec_int8
         except Exception as exc:  # no compiler, missing headers, build error ...
             _error = f"{type(exc).__name__}: {exc}"

@@ -90,14 +90,6 @@ inline VI shl32(VI a, int s) { return _mm256_slli_epi32(a, s); }
 inline VI maddubs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
 // i32 lane i = a[2i] * b[2i] + a[2i+1] * b[2i+1]
 inline VI madd(VI a, VI b) { return _mm256_madd_epi16(a, b); }
-// acc + madd(a, b)
-inline VI madd_acc(VI acc, VI a, VI b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
 // i32 lane i = sum of u[4i + j] * s[4i + j], j < 4 (no i16 saturation here: see the callers)
 inline VI dot4(VI u, VI s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -126,8 +118,6 @@ inline VI bit4_from_bits(const uint8_t* p) {
 inline VF fzero() { return _mm256_setzero_ps(); }
 // acc + float(v) * s, fused
 inline VF fmadd_i(VI v, float s, VF acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
-// acc - float(v) * s, fused
-inline VF fnmadd_i(VI v, float s, VF acc) { return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
 inline float hsum(VF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -198,11 +188,6 @@ inline VI madd(VI a, VI b) {
   for (int i = 0; i < 8; ++i) r.w[i] = a.h[2 * i] * b.h[2 * i] + a.h[2 * i + 1] * b.h[2 * i + 1];
   return r;
 }
-inline VI madd_acc(VI acc, VI a, VI b) {
-  VI m = madd(a, b);
-  for (int i = 0; i < 8; ++i) acc.w[i] += m.w[i];
-  return acc;
-}
 inline VI dot4(VI u, VI s) {
   VI r;
   for (int i = 0; i < 8; ++i) {
@@ -230,10 +215,6 @@ inline VI bit4_from_bits(const uint8_t* p) {
 inline VF fzero() { VF v; for (int i = 0; i < 8; ++i) v.f[i] = 0.f; return v; }
 inline VF fmadd_i(VI v, float s, VF acc) {
   for (int i = 0; i < 8; ++i) acc.f[i] = std::fma(static_cast<float>(v.w[i]), s, acc.f[i]);
-  return acc;
-}
-inline VF fnmadd_i(VI v, float s, VF acc) {
-  for (int i = 0; i < 8; ++i) acc.f[i] = std::fma(-static_cast<float>(v.w[i]), s, acc.f[i]);
   return acc;
 }
 inline float hsum(VF v) {
@@ -421,6 +402,13 @@ void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
 }
 
 // 32-weight blocks with one fp16 scale: Q8_0 (int8), Q4_0 (nibble - 8), Q5_0 (5 bits - 16).
+template <int64_t T>
+inline VI q32_weights(const uint8_t* b) {  // the 32 weights of a block as signed bytes
+  if (T == kQ8_0) return load(b + 2);
+  if (T == kQ4_0) return sub8(nibbles16(b + 2), set8(8));
+  return sub8(or_(nibbles16(b + 6), bit4_from_bits(b + 2)), set8(16));
+}
+
 template <int R, int64_t T>
 void dot_q32(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
@@ -431,10 +419,7 @@ void dot_q32(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
     const uint8_t* b = w + i * bytes;
     const float d = fp16(b);
     VF* fi = f[i & 1];
-    VI q;
-    if (T == kQ8_0) q = load(b + 2);
-    else if (T == kQ4_0) q = sub8(nibbles16(b + 2), set8(8));
-    else q = sub8(or_(nibbles16(b + 6), bit4_from_bits(b + 2)), set8(16));
+    const VI q = q32_weights<T>(b);
     const VI aq = abs8(q);
     for (int r = 0; r < R; ++r) {
       const VI l = dot4(aq, sign8(load(rw.q[r] + i * 32), q));
@@ -591,19 +576,12 @@ void dot_q6k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* o
   dot_q6k_zc<R, 1>(&w, nb, a, m0, out);
 }
 
-template <int64_t T>
-inline VI q32_weights(const uint8_t* b) {
-  if (T == kQ8_0) return load(b + 2);
-  if (T == kQ4_0) return sub8(nibbles16(b + 2), set8(8));
-  return sub8(or_(nibbles16(b + 6), bit4_from_bits(b + 2)), set8(16));
-}
 
 // 32-value blocks as signed bytes (the zmm build: Q5_0's fifth bit through a mask instead of a shuffle);
 // the same bytes as q32_weights.
 template <int64_t T>
 inline VI q32_weights_z(const uint8_t* b) {
-  if (T == kQ8_0) return load(b + 2);
-  if (T == kQ4_0) return sub8(nibbles16(b + 2), set8(8));
+  if (T != kQ5_0) return q32_weights<T>(b);
   uint32_t high;
   std::memcpy(&high, b + 2, 4);
   const VI nib = nibbles16(b + 6);  // (nib | 16 * bit) - 16: nib where the bit is set, nib - 16 elsewhere
@@ -856,8 +834,6 @@ std::vector<at::Tensor> quantize_acts(at::Tensor x, int64_t bs) {
   return {q, s, d};
 }
 
-int64_t max_rows() { return kMaxRows; }
-
 // ---- the elementwise work around the matmuls, one op each (fewer dispatches per layer) ----------
 // Row by row in scalar code (no reassociation: -ffp-contract=off, no -ffast-math), so every build and
 // any number of rows give the same bits.
@@ -943,7 +919,6 @@ at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
 TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
-  m.def("max_rows() -> int", &max_rows);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
 }

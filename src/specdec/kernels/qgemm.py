@@ -17,12 +17,13 @@ w is the uint8 [N, row_bytes] view of a GGUF tensor and 12 / 14 are GGML's Q4_K 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import threading
 from pathlib import Path
 
 import torch
+
+from specdec.kernels.build import build_ops
 
 _SOURCE = Path(__file__).with_name("qgemm.cpp")
 _ISA_FLAGS = {
@@ -77,19 +78,8 @@ def ops(isa: str | None = None):
         if isa not in _ops:
             if not _ISA_CPU_FLAGS[isa] <= cpu_flags():
                 raise RuntimeError(f"this CPU cannot run the {isa} build of the qgemm kernels")
-            from torch.utils import cpp_extension
-
             lib = f"specdec_qgemm_{isa}"
-            flags = _COMMON_FLAGS + _ISA_FLAGS[isa] + [f"-DSPECDEC_QLIB={lib}"]
-            digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-            cpp_extension.load(
-                name=f"{lib}_{digest}",
-                sources=[str(_SOURCE)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,  # registers torch.ops.<lib>.*
-                verbose=False,
-            )
+            build_ops(lib, _SOURCE, _COMMON_FLAGS + _ISA_FLAGS[isa] + [f"-DSPECDEC_QLIB={lib}"])  # torch.ops.<lib>
             _ops[isa] = getattr(torch.ops, lib)
     return _ops[isa]
 

@@ -133,13 +133,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         # Q, K and V as one matrix (set by `fuse_qkv`): one pass over the activations instead of three
         self.qkv_proj: nn.Module | None = None
-        self.fused_rope = False  # rope as one CPU op (bit-identical to the float path; set by `fuse_qkv`)
+        self.fused_rope = False  # rope as one CPU op (bit-identical to the float path; models on the block kernels)
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
     def fuse_qkv(self, qkv_proj: nn.Module) -> None:
         """Use one module computing concat(q, k, v) in place of q_proj, k_proj and v_proj."""
         self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv_proj, None, None, None
-        self.fused_rope = True
 
     def forward(
         self,

@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from specdec.config import ModelConfig
 from specdec.kernels.qgemm import quantize_q8_0
-from specdec.models.dequant import dequantize, dequantize_rows
+from specdec.models.dequant import dequantize
 from specdec.models.gguf_file import GGUFFile
-from specdec.models.llama import RMSNorm, Transformer, meta_skeleton, rope_inv_freq
+from specdec.models.llama import Attention, RMSNorm, Transformer, meta_skeleton, rope_inv_freq
 from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear, kernel_blocks
 from specdec.models.tokenizer import Tokenizer, gguf_eos_token_ids, gguf_field
 
@@ -396,9 +396,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         parts = []
         for name in names:
             blocks, qtype, row_len = source.blocks(name)
-            if requantize and qtype != Q8_0:
-                blocks, qtype = quantize_q8_0(dequantize_rows(blocks, qtype, row_len)), Q8_0
-            parts.append(kernel_blocks(blocks, qtype, row_len))
+            parts.append(kernel_blocks(blocks, qtype, row_len, force_q8_0=requantize))
         bias = torch.cat([source.vector(n) for n in bias_names]) if bias_names else None
         return QuantLinear(parts, row_len, bias)
 
@@ -417,9 +415,11 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         layer.input_layernorm.weight = norm(p + "input_layernorm.weight")
         layer.post_attention_layernorm.weight = norm(p + "post_attention_layernorm.weight")
     model.model.norm.weight = norm("model.norm.weight")
-    for module in model.modules():
+    for module in model.modules():  # the elementwise work as one CPU op each, like the matmuls
         if isinstance(module, RMSNorm):
             module.fused = True
+        elif isinstance(module, Attention):
+            module.fused_rope = True
     head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
     model.lm_head = linear([head])  # before the embedding: a float source hands each matrix over once
     if head == "model.embed_tokens.weight":

@@ -19,10 +19,10 @@ from specdec.models.dequant import dequantize_rows
 Q8_0 = int(GGMLQuantizationType.Q8_0)
 
 
-def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int) -> tuple[torch.Tensor, int]:
-    """(blocks, type) the kernels can run: the file's own when its type is supported, else Q8_0 made from
-    the dequantized rows. blocks: uint8 [N, row_bytes]."""
-    if qtype in SUPPORTED_TYPES:
+def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int, force_q8_0: bool = False) -> tuple[torch.Tensor, int]:
+    """(blocks, type) the kernels can run: the file's own when its type is supported (and Q8_0 is not
+    forced), else Q8_0 made from the dequantized rows. blocks: uint8 [N, row_bytes]."""
+    if qtype == Q8_0 or (qtype in SUPPORTED_TYPES and not force_q8_0):
         return blocks, qtype
     return quantize_q8_0(dequantize_rows(blocks, qtype, row_len)), Q8_0
 

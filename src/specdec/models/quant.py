@@ -1,12 +1,10 @@
 """Choosing the weight format (`resolve_quantization`), and the earlier weight-only int8 / int4 layers.
 
 The default on CPU is the GGUF's own blocks on specdec's integer kernels (`specdec.models.qlinear`,
-`specdec.kernels.qgemm`). The int8 / int4 formats below remain for comparison. A draft's numerics change only how often it agrees with the target, never the output, so the draft may
-use cheaper kernels than the target (whose numerics must be the same in plain and speculative runs).
-int8 layers run specdec's own AVX2 kernel (`specdec.kernels`): it converts each weight chunk once and
-uses it for every row, so verifying 6 rows costs far less than 6 one-row steps, and it gives every row
-the same bits whatever the number of rows (unlike fp32 sgemm here), so the same int8 target serves plain
-and speculative decoding alike.
+`specdec.kernels.qgemm`). The int8 / int4 formats below remain for comparison: int8 layers run specdec's
+own AVX2 kernel (`specdec.kernels`), which converts each weight chunk once for every row and gives every
+row the same bits whatever the number of rows. A draft's numerics change only how often it agrees with
+the target, never the output.
 """
 
 from __future__ import annotations
