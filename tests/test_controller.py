@@ -88,6 +88,18 @@ def test_cost_model_smoothing_and_estimates_between_and_beyond_measured_sizes():
     assert costs.verify_time(1) == pytest.approx(0.25)  # not 1.0 - 1.55 * 3 < 0
 
 
+def test_a_stale_slow_measurement_of_fewer_rows_does_not_keep_a_useless_draft_on():
+    """One slow 1-row pass (a hiccup) measured before speculation turned on is never measured again while
+    the controller drafts; estimated above the 2-row pass, it made drafting look cheaper than plain
+    decoding even at acceptance 0, and speculation stayed on for good."""
+    costs = costs_with(draft=0.1, verify={1: 3.0, 2: 1.2})
+    assert costs.verify_time(1) == pytest.approx(1.2)  # capped by the larger measured size
+    ctl = AdaptiveK(k_max=4)
+    ctl.on = True  # speculation is on: any gain would keep it on
+    assert ctl.best_k([0.0], costs) == 0
+    assert ctl.choose([AcceptanceEstimate(accepted=0.0, rejections=5.0)], costs) == [0]
+
+
 # ------------------------------------------------------------------------------------------- fixed and adaptive K
 def costs_with(draft: float, verify: dict[int, float] | float, batch_size: int = 1) -> CostModel:
     costs = CostModel()

@@ -83,7 +83,8 @@ class CostModel:
     cost scaled in proportion to the size (more rows never cost less, nor more than proportionally
     more). With a single measurement, the cost grows by `prior_slope` of it per size of it (halfway
     between free and proportional). Example: verify {1: 1.0, 2: 1.2} -> verify_time(6) = 2.0;
-    verify {2: 1.0} alone -> verify_time(6) = 1.0 * (1 + 0.5 * 4 / 2) = 2.0.
+    verify {2: 1.0} alone -> verify_time(6) = 1.0 * (1 + 0.5 * 4 / 2) = 2.0. No size is estimated
+    above a larger measured size: verify {1: 3.0, 2: 1.2} -> verify_time(1) = 1.2.
     """
 
     def __init__(self, smoothing: float = 0.2, prior_slope: float = 0.5) -> None:
@@ -104,8 +105,15 @@ class CostModel:
         self._update(self.verify, rows, seconds)
 
     def _estimate(self, table: dict[int, float], key: int) -> float | None:
+        """The cost at size `key`, never above what a larger size was measured to cost: a stale slow
+        measurement of a small size (one noisy pass, never repeated while the controller keeps away
+        from that size) must not make the larger sizes look cheaper than it."""
         if not table:
             return None
+        ceiling = min((v for k, v in table.items() if k > key), default=float("inf"))
+        return min(self._interpolate(table, key), ceiling)
+
+    def _interpolate(self, table: dict[int, float], key: int) -> float:
         if key in table:
             return table[key]
         keys = sorted(table)
