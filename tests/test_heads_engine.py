@@ -112,11 +112,11 @@ def test_tree_steps_keep_nodes_off_the_first_branch(trained, method):
 
     def spy(seq, draft, logits):
         nonlocal off_branch
-        verdict = original(seq, draft, logits)
+        verdict, logprobs = original(seq, draft, logits)
         if verdict.path and any(draft.parents is not None and TreeShape.from_choices(TREES["wide tree"]).ranks[i]
                                 for i in verdict.path):
             off_branch += 1
-        return verdict
+        return verdict, logprobs
 
     engine._accept = spy
     for i, prompt in enumerate(PROMPTS):
@@ -161,3 +161,19 @@ def test_trees_run_to_the_very_end_of_the_context(trained, method):
     assert finals["a"].token_ids == plain("bf16", PROMPTS[0], short, max_len)
     assert finals["b"].token_ids == plain("bf16", long_prompt, late, max_len)
     assert len(PROMPTS[0]) + len(finals["a"].token_ids) == max_len
+
+
+@pytest.mark.parametrize("tree", ["chain", "wide tree", "dynamic tree"])
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_penalties_and_logit_bias_over_tree_drafts_equal_plain(trained, method, tree):
+    """Each tree node is judged with the penalties counting the drafted tokens on its own path."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=1.2, presence_penalty=0.8, logit_bias={5: 3.0, 17: 2.0})
+    accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        engine = make_engine(trained, method, "fp32", 3, TREES[tree])
+        out = run(engine, [(f"r{i}", prompt, params)])[f"r{i}"]
+        assert out.token_ids == plain("fp32", prompt, params), (method, tree, i)
+        assert out.token_ids != plain("fp32", prompt), "the parameters change the output"
+        accepted += out.metrics.num_accepted_tokens
+    assert accepted > 0

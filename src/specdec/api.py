@@ -27,6 +27,7 @@ from specdec.models.quant import BLOCK_FORMATS, quantize_linears, resolve_quanti
 from specdec.models.store import resolve_model
 from specdec.models.tokenizer import Tokenizer
 from specdec.outputs import RequestOutput
+from specdec.sampling import fan_out, pick_best
 from specdec.speculative.compat import check_draft_compatible
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
@@ -216,17 +217,27 @@ class LLM:
         return self._run(ids, sampling_params or SamplingParams())
 
     def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        order = []
+        """One finished output per prompt; with n > 1 (or best_of) its `outputs` holds the n completions
+        (`pick_best`) and the output itself is the first of them."""
+        requests = []
         for ids in prompt_ids:
-            request_id = f"req-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, params)
-            order.append(request_id)
+            request_ids = []
+            for seq_params in fan_out(params):
+                request_ids.append(f"req-{next(self._ids)}")
+                self.engine.add_request(request_ids[-1], ids, seq_params)
+            requests.append(request_ids)
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-        return [finished[r] for r in order]
+        results = []
+        for request_ids in requests:
+            best = pick_best([finished[r] for r in request_ids], params)
+            if params.n > 1 or len(request_ids) > 1:
+                best[0].outputs = best
+            results.append(best[0])
+        return results
 
     def describe(self) -> dict[str, Any]:
         """What was loaded, how it speculates, and the memory each part takes."""

@@ -100,23 +100,57 @@ class ModelConfig:
         return out
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by them overflows
+MAX_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each token; named as in vLLM. temperature == 0 means greedy (exact argmax)."""
+    """How to pick each token; named and applied as in vLLM. temperature < 1e-5 means greedy (exact argmax
+    of the processed logits).
+
+    Logits are processed in this order, at every position alike (drafted or not; see `specdec.sampling`):
+    `logit_bias` (token id -> value added, clamped to [-100, 100]); `min_tokens` (EOS and `stop_token_ids`
+    masked until that many tokens are out); penalties on what the sequence holds so far: `repetition_penalty`
+    (prompt and output: positive logits divided by it, negative ones multiplied), `frequency_penalty`
+    (output: minus it times the token's count) and `presence_penalty` (output: minus it once present); then
+    greedy takes the argmax, sampling applies `temperature`, `min_p` (drops tokens under min_p times the
+    most likely one's probability), `top_k`, `top_p`, and draws with `seed`.
+
+    `logprobs`: report each emitted token's log-probability under that processed distribution and the
+    `logprobs` most likely alternatives (0: the token's own only); `prompt_logprobs`: the same for the
+    prompt's tokens, under the model's raw distribution. `n` / `best_of` are for the callers that fan a
+    request out into sequences (`LLM.generate`, the server); the engine runs one sequence per request.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
     max_tokens: int = 16
+    min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # given as a dict {token id: bias}
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias",
+                           tuple(sorted((int(t), max(-100.0, min(100.0, float(b)))) for t, b in bias)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.temperature < 0:
@@ -125,12 +159,40 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (or -1 to disable), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(t < 0 for t in self.stop_token_ids) or any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError("token ids in stop_token_ids and logit_bias must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n={self.n}, got {self.best_of}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits need more than temperature/top-k/top-p/min-p (which act on one row alone)."""
+        return bool(self.logit_bias or self.min_tokens or self.has_penalties)
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "medusa", "eagle")

@@ -23,8 +23,8 @@ import torch
 from specdec.config import SamplingParams
 from specdec.metrics import SpecMetrics
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdec.outputs import RequestOutput
-from specdec.sampling import make_generator, process_logits, sample
+from specdec.outputs import RequestOutput, TokenLogprob
+from specdec.sampling import logprob_rows, make_generator, process_logits, process_rows, sample
 from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
 from specdec.speculative.proposers import Draft, Proposer
@@ -47,6 +47,10 @@ class Sequence:
     emitted_chars: int = 0  # how much of `text` earlier outputs carried
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: EOS (unless ignored) and stop_token_ids
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
 
     @property
     def num_output(self) -> int:
@@ -101,6 +105,11 @@ class Engine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in (*prompt_token_ids, *params.stop_token_ids, *(t for t, _ in params.logit_bias))
+               if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for this model's vocabulary of {vocab} tokens")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
@@ -115,6 +124,9 @@ class Engine:
             tokens=list(prompt_token_ids),
             start_time=time.perf_counter(),
             estimate=AcceptanceEstimate.with_prior(self.acceptance.rate),
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         seq.metrics.prompt_tokens = n
         self.waiting.append(seq)
@@ -147,8 +159,10 @@ class Engine:
         t1 = self._now()
         target_logits, hidden = self._verify(seqs, drafts)  # [B, T, V], [B, T, H] or None
         t2 = self._now()
-        verdicts = [self._accept(seq, draft, target_logits[b]) for b, (seq, draft) in enumerate(zip(seqs, drafts))]
-        committed = [[0] + [1 + i for i in verdict.kept()] for verdict in verdicts]  # [last, *kept] in the pass
+        judged = [self._accept(seq, draft, target_logits[b]) for b, (seq, draft) in enumerate(zip(seqs, drafts))]
+        verdicts = [verdict for verdict, _ in judged]
+        # [last, *kept] in the pass: the slots to keep, and the rows that scored the emitted tokens
+        committed = [[0] + [1 + i for i in verdict.kept()] for verdict in verdicts]
         for seq, slots in zip(seqs, committed):
             self.cache.commit(seq.row, slots)
         if self.proposer is not None:
@@ -157,8 +171,10 @@ class Engine:
 
         self._record_costs(seqs, drafts, t1 - t0, t2 - t1, max(ks))
         decay = getattr(self.controller, "decay", 1.0)
-        for seq, draft, verdict in zip(seqs, drafts, verdicts):
+        for seq, draft, (verdict, logprobs), rows in zip(seqs, drafts, judged, committed):
             new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
+            if logprobs is not None:
+                self._record_logprobs(seq, logprobs[rows[:len(new_ids)]], new_ids)
             depth = draft.depth
             seq.metrics.record_step(depth, verdict.num_accepted, len(new_ids))
             seq.metrics.draft_time += (t1 - t0) / len(seqs)
@@ -214,21 +230,35 @@ class Engine:
         )
         return out if self._needs_hidden else (out, None)
 
-    def _accept(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor) -> Verdict:
-        """target_logits: [T, V]; only the first len(draft) + 1 rows are real."""
+    def _accept(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor) -> tuple[Verdict, torch.Tensor | None]:
+        """target_logits: [T, V]; only the first len(draft) + 1 rows are real. Returns the verdict and, when
+        the sequence reports logprobs, the log-probabilities [len(draft) + 1, V] the rows were judged by."""
         k = len(draft.tokens)
+        params = seq.params
         logits = target_logits[: k + 1]
+        if params.processes_logits:
+            logits = process_rows(logits, params, seq.prompt_ids, seq.output_ids, _drafted_paths(draft),
+                                  seq.stop_ids)
+        target_probs = None if params.greedy else process_logits(logits, params)
         if draft.parents is not None:
-            if seq.params.greedy:
-                return greedy_accept_tree(draft.tokens, draft.parents, logits)
-            target_probs = process_logits(logits, seq.params)
-            return tree_rejection_sample(draft.tokens, draft.parents, draft.probs, target_probs, seq.generator)
-        if seq.params.greedy:
-            return greedy_accept(draft.tokens, logits)
-        target_probs = process_logits(logits, seq.params)
-        if k == 0:
-            return Verdict(0, sample(target_probs[0], seq.generator))
-        return rejection_sample(draft.tokens, draft.probs, target_probs, seq.generator)
+            verdict = greedy_accept_tree(draft.tokens, draft.parents, logits) if params.greedy else \
+                tree_rejection_sample(draft.tokens, draft.parents, draft.probs, target_probs, seq.generator)
+        elif params.greedy:
+            verdict = greedy_accept(draft.tokens, logits)
+        elif k == 0:
+            verdict = Verdict(0, sample(target_probs[0], seq.generator))
+        else:
+            verdict = rejection_sample(draft.tokens, draft.probs, target_probs, seq.generator)
+        wants = params.logprobs is not None or (params.best_of or 1) > params.n
+        return verdict, (logprob_rows(logits, params, target_probs) if wants else None)
+
+    @staticmethod
+    def _record_logprobs(seq: Sequence, logprobs: torch.Tensor, tokens: list[int]) -> None:
+        """Append the emitted `tokens`' entries; logprobs [len(tokens), V] are their rows' log-probabilities."""
+        chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        seq.cumulative_logprob += float(chosen.sum())
+        if seq.logprobs is not None:
+            seq.logprobs.extend(_token_logprobs(logprobs, tokens, seq.params.logprobs))
 
     def _record_costs(self, seqs, drafts, draft_time: float, target_time: float, k_max: int) -> None:
         B = len(seqs)
@@ -252,6 +282,9 @@ class Engine:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 break
             seq.text += seq.detokenizer.add([token])
+            if token in seq.stop_ids:  # a stop_token_ids token: kept in the output (as in vLLM)
+                seq.finish_reason, seq.stop_reason = "stop", token
+                break
             if params.stop and self._hit_stop_string(seq):
                 break
             if seq.num_output >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
@@ -286,7 +319,13 @@ class Engine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             metrics=seq.metrics,
+            prompt_logprobs=seq.prompt_logprobs,
         )
+        if seq.logprobs is not None:
+            out.logprobs = seq.logprobs
+            out.new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_ids):]
+        if seq.logprobs is not None or (seq.params.best_of or 1) > seq.params.n:
+            out.cumulative_logprob = seq.cumulative_logprob
         end = len(seq.text)
         if seq.finish_reason is None and seq.params.stop:  # hold back a tail that may yet begin a stop string
             end = max(seq.emitted_chars, end - (max(len(s) for s in seq.params.stop) - 1))
@@ -329,10 +368,15 @@ class Engine:
         t0 = self._now()
         device = self.target.device
         chunk = torch.tensor([seq.prompt_ids[start:stop]], device=device)
+        wants = seq.prompt_logprobs is not None
         out = self.target(chunk, torch.arange(start, stop, device=device)[None], self.cache.row_view(seq.row),
-                          num_logits=1, return_hidden=self._needs_hidden)
+                          num_logits=stop - start if wants else 1, return_hidden=self._needs_hidden)
         if self._needs_hidden:  # proposers on the target's features (Medusa, EAGLE) see the prompt's
             self.proposer.observe_prefill(seq, out[1][0])
+        if wants:  # position i scores prompt token i + 1, under the model's raw distribution
+            logits = out[0][0] if self._needs_hidden else out[0]
+            seq.prompt_logprobs.extend(_token_logprobs(torch.log_softmax(logits.float(), dim=-1),
+                                                       seq.prompt_ids[start + 1:stop + 1], seq.params.prompt_logprobs))
         self.cache.advance(seq.row, stop - start)
         t1 = self._now()
         seq.metrics.prefill_time += t1 - t0
@@ -410,3 +454,31 @@ class Engine:
             outputs.append(self._output(seq, []))
         self._aborted.clear()
         return outputs
+
+
+def _drafted_paths(draft: Draft) -> list[list[int]]:
+    """For each row of a verification pass, the drafted tokens before it: a chain's first t tokens for row
+    t; for a tree, the tokens on the path to node j (inclusive) for row j + 1.
+    Example: chain [5, 7] -> [[], [5], [5, 7]]; tree [5, 7, 9], parents [-1, -1, 0] -> [[], [5], [7], [5, 9]]."""
+    if draft.parents is None:
+        return [draft.tokens[:t] for t in range(len(draft.tokens) + 1)]
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(draft.tokens, draft.parents):
+        paths.append((paths[parent + 1] if parent >= 0 else []) + [token])
+    return paths
+
+
+def _token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Entries for `tokens` from their rows' log-probabilities [len(tokens), V], with the `top` best."""
+    if not tokens:
+        return []
+    logprobs = logprobs[: len(tokens)]
+    ids = torch.tensor(tokens)[:, None]
+    chosen = logprobs.gather(1, ids)
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    best = torch.topk(logprobs, top, dim=-1) if top else None
+    entries = []
+    for i, token in enumerate(tokens):
+        alternatives = () if best is None else tuple(zip(best.indices[i].tolist(), best.values[i].tolist()))
+        entries.append(TokenLogprob(token, float(chosen[i, 0]), int(ranks[i]), alternatives))
+    return entries
