@@ -185,6 +185,11 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     @property
+    def backend(self) -> Backend:
+        """The `tokenizers.Tokenizer` underneath (grammar libraries read its JSON)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
