@@ -12,18 +12,24 @@ the same check.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
-from fakes import FakeTokenizer, one_intra_op_thread
+from conftest import tiny_model
+from fakes import FakeTokenizer, ScriptedProposer, noisy_copy, one_intra_op_thread
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.models.gguf_file import GGUFFile
+from specdec.models.tokenizer import Tokenizer
+from specdec.speculative.proposers import DraftModelProposer
 from specdec.sampling import fan_out, pick_best, process_logits, process_rows
 from test_engine_tiny import MAX_LEN, PROMPTS, STOP_PROMPT, continuation, oracle, run, target  # noqa: F401
 from test_engine_tiny import make_proposer
 from test_sampling_distribution import assert_follows
+from test_tokenizer import write_tiny_gguf
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
 
@@ -287,3 +293,79 @@ def test_sampling_with_penalties_min_p_and_logit_bias_follows_the_processed_dist
 def test_the_distribution_check_catches_a_sampler_that_forgets_drafted_history():
     with pytest.raises(AssertionError, match="second token after"):
         check_pairs(sampled_pairs(broken=True))
+
+
+# ------------------------------------------------------------------------------------------------ grammars
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "tag": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory):
+    """The tiny byte-level tokenizer (264 tokens) and random models of its vocabulary: a target and a
+    noisy copy as draft."""
+    path = tmp_path_factory.mktemp("tok") / "tiny.gguf"
+    write_tiny_gguf(path)
+    tokenizer = Tokenizer.from_gguf(GGUFFile(path))
+    model = tiny_model("qwen2", 2, torch.float32, vocab_size=tokenizer.vocab_size)
+    with torch.no_grad():
+        for w in model.parameters():
+            if w.dim() > 1:
+                w.mul_(3.0)
+    return tokenizer, model, noisy_copy(model, std=0.3)
+
+
+def scripted_with_errors(continuation: list[int], vocab: int):
+    """Drafts the given continuation with every third token wrong (a token id the grammar mostly forbids)."""
+    def script(seq):
+        n = seq.num_output
+        return [(t + 7) % vocab if (n + i) % 3 == 2 else t for i, t in enumerate(continuation[n:])]
+    return ScriptedProposer(script)
+
+
+@pytest.mark.parametrize("response_format", [{"type": "json_object"},
+                                             {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}])
+def test_constrained_greedy_output_is_plain_constrained_decoding_under_speculation(byte_level, response_format):
+    """Drafts right two tokens in three: each pass's rows after accepted drafted tokens are masked in the
+    grammar state those tokens lead to, and a wrong token is refused where it stands. Output: plain
+    constrained decoding's, token for token, for every K."""
+    tokenizer, model, _ = byte_level
+    prompt = tokenizer.encode("Answer in JSON: the answer is")
+    p = SamplingParams(temperature=0, max_tokens=80, response_format=response_format)
+    plain_out = run(Engine(model, tokenizer, max_model_len=MAX_LEN), [("r", prompt, p)])["r"]
+    assert plain_out.finish_reason == "stop", plain_out.text  # the grammar completed, then EOS
+    value = json.loads(plain_out.text)
+    assert isinstance(value, dict)
+    if response_format["type"] == "json_schema":
+        assert set(value) == {"ok", "n", "tag"} and isinstance(value["ok"], bool)
+        assert 0 <= value["n"] <= 999 and value["tag"] in ("red", "green", "blue")
+    for k in (1, 4, 8):
+        proposer = scripted_with_errors(plain_out.token_ids, tokenizer.vocab_size)
+        out = run(Engine(model, tokenizer, proposer, k, max_model_len=MAX_LEN), [("r", prompt, p)])["r"]
+        assert out.token_ids == plain_out.token_ids, k
+        assert 0 < out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
+
+
+def test_constrained_sampling_with_a_grammar_blind_draft_model_stays_in_the_schema(byte_level):
+    tokenizer, model, draft_model = byte_level
+    prompt = tokenizer.encode("Answer in JSON: the answer is")
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    for seed in range(3):
+        p = SamplingParams(temperature=0.9, seed=seed, max_tokens=100, response_format=rf)
+        out = run(Engine(model, tokenizer, DraftModelProposer(draft_model, 1, MAX_LEN), 4, max_model_len=MAX_LEN),
+                  [("r", prompt, p)])["r"]
+        assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"ok", "n", "tag"}, out.text
+
+
+def test_a_bad_response_format_is_refused_when_the_request_is_added(byte_level):
+    tokenizer, model, _ = byte_level
+    engine = Engine(model, tokenizer, max_model_len=MAX_LEN)
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}):
+        with pytest.raises(ValueError):
+            engine.add_request("r", [1, 2, 3], SamplingParams(response_format=bad))
+    assert not engine.has_unfinished_requests()

@@ -6,7 +6,7 @@ Components take only the fields they need; nothing here is mutated after constru
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # weight formats (see specdec.models.quant.resolve_quantization)
@@ -119,7 +119,8 @@ class SamplingParams:
 
     `logprobs`: report each emitted token's log-probability under that processed distribution and the
     `logprobs` most likely alternatives (0: the token's own only); `prompt_logprobs`: the same for the
-    prompt's tokens, under the model's raw distribution. `n` / `best_of` are for the callers that fan a
+    prompt's tokens, under the model's raw distribution. `response_format` constrains the output to JSON (a
+    schema's), masking every position alike. `n` / `best_of` are for the callers that fan a
     request out into sequences (`LLM.generate`, the server); the engine runs one sequence per request.
     """
 
@@ -141,6 +142,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     best_of: int | None = None
+    # structured output, OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    # {"schema": {...}}}; every position (drafted or not) is masked by the grammar (see specdec.structured)
+    response_format: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

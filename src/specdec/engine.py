@@ -29,6 +29,7 @@ from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sam
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
 from specdec.speculative.proposers import Draft, Proposer
 from specdec.speculative.tree import ancestor_mask, depths, greedy_accept_tree, tree_rejection_sample
+from specdec.structured import Grammar, GrammarMatcher
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
+    matcher: GrammarMatcher | None = None  # with params.response_format: the grammar's state
 
     @property
     def num_output(self) -> int:
@@ -110,6 +112,8 @@ class Engine:
                if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for this model's vocabulary of {vocab} tokens")
+        grammar = None if params.response_format is None else \
+            Grammar.from_response_format(params.response_format, self.tokenizer, vocab)
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
@@ -127,6 +131,7 @@ class Engine:
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            matcher=grammar.matcher() if grammar is not None else None,
         )
         seq.metrics.prompt_tokens = n
         self.waiting.append(seq)
@@ -236,9 +241,12 @@ class Engine:
         k = len(draft.tokens)
         params = seq.params
         logits = target_logits[: k + 1]
+        paths = _drafted_paths(draft) if params.processes_logits or seq.matcher is not None else []
         if params.processes_logits:
-            logits = process_rows(logits, params, seq.prompt_ids, seq.output_ids, _drafted_paths(draft),
-                                  seq.stop_ids)
+            logits = process_rows(logits, params, seq.prompt_ids, seq.output_ids, paths, seq.stop_ids)
+        if seq.matcher is not None:
+            logits = logits.float().masked_fill(~_grammar_masks(seq.matcher, draft, paths).to(logits.device),
+                                                float("-inf"))
         target_probs = None if params.greedy else process_logits(logits, params)
         if draft.parents is not None:
             verdict = greedy_accept_tree(draft.tokens, draft.parents, logits) if params.greedy else \
@@ -278,6 +286,8 @@ class Engine:
         for token in new_tokens:
             seq.tokens.append(token)
             added.append(token)
+            if seq.matcher is not None:
+                seq.matcher.advance([token])
             if token in self.eos_ids and not params.ignore_eos:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 break
@@ -482,3 +492,19 @@ def _token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list
         alternatives = () if best is None else tuple(zip(best.indices[i].tolist(), best.values[i].tolist()))
         entries.append(TokenLogprob(token, float(chosen[i, 0]), int(ranks[i]), alternatives))
     return entries
+
+
+def _grammar_masks(matcher: GrammarMatcher, draft: Draft, paths: list[list[int]]) -> torch.Tensor:
+    """Bool [T, V]: the tokens the grammar allows at each row of a pass, in the state after the drafted
+    tokens on the row's path. A row past a token the grammar forbids is never reached (that token is
+    rejected): it is left unmasked."""
+    if draft.parents is None:
+        masks, n = matcher.masks_along(draft.tokens)
+        if n < len(paths):
+            masks = torch.cat([masks, torch.ones(len(paths) - n, masks.shape[1], dtype=torch.bool)])
+        return masks
+    rows = []
+    for path in paths:
+        masks, n = matcher.masks_along(path)
+        rows.append(masks[-1] if n == len(path) + 1 else torch.ones(masks.shape[1], dtype=torch.bool))
+    return torch.stack(rows)
