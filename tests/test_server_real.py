@@ -71,10 +71,10 @@ def reference(server):
     llm = LLM(model=TARGET)
     cache: dict = {}
 
-    def run(kind: str, what, max_tokens: int = N):
-        key = (kind, json.dumps(what), max_tokens)
+    def run(kind: str, what, max_tokens: int = N, **extra):
+        key = (kind, json.dumps(what), max_tokens, json.dumps(extra, sort_keys=True))
         if key not in cache:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens)
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
             cache[key] = (llm.chat(what, params) if kind == "chat" else llm.generate(what, params))[0]
         return cache[key]
 
@@ -150,6 +150,43 @@ def test_completion_greedy_equals_plain_decoding_streamed_or_not(client, referen
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_sampling_parameters_and_logprobs_equal_plain_decoding(client, reference):
+    """Penalties, logit_bias and logprobs through the server (K = 5 speculation) against plain decoding in
+    this process: the same tokens, and the same logprobs bit for bit (the block kernels are row-invariant,
+    so a verification pass scores each position exactly as a decoding step does)."""
+    comma = 11  # ","
+    extra = dict(frequency_penalty=0.5, presence_penalty=0.3, logit_bias={comma: 5.0})
+    ref = reference("chat", CHAT, 12, logprobs=2, **extra)
+    r = client.chat.completions.create(
+        model=TARGET, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+        frequency_penalty=0.5, presence_penalty=0.3, logit_bias={str(comma): 5.0},
+        extra_body={"return_token_ids": True})
+    (choice,) = r.choices
+    assert token_ids(choice) == ref.token_ids and r.model_extra["specdec"]["num_draft_tokens"] > 0
+    assert ref.token_ids != reference("chat", CHAT, 12).token_ids  # the parameters matter here
+    content = choice.logprobs.content
+    assert [c.logprob for c in content] == [e.logprob for e in ref.logprobs]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [[lp for _, lp in e.top] for e in ref.logprobs]
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+
+
+def test_n_choices_and_a_json_schema(client):
+    r = client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=6, temperature=0.8, seed=3, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=TARGET, max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Invent a person. Answer in JSON with a name and an age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and 0 <= value["age"] <= 150
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
 
 
 def scrape(url: str) -> dict:

@@ -75,6 +75,7 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 256, tokens_per_step: int = 3, step_delay: float = 0.0,
                  max_batch_size: int = 1):
         self.tokenizer = ByteTokenizer()
+        self.vocab_size = self.tokenizer.vocab_size
         self.max_model_len = max_model_len
         self.tokens_per_step, self.step_delay, self.max_batch_size = tokens_per_step, step_delay, max_batch_size
         self.metrics = SpecMetrics()
@@ -207,8 +208,12 @@ def chat_body(content: str = "hi", **kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
 
 
+def chat_prompt_text(content: str = "hi") -> str:
+    return f"<user>{content}\n<assistant>"
+
+
 def expected_chat_reply(content: str = "hi") -> str:
-    return reply_for(f"<user>{content}\n<assistant>")
+    return reply_for(chat_prompt_text(content))
 
 
 def sse_events(response: httpx.Response) -> list[str]:
@@ -303,6 +308,59 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(client):
     assert r.status_code == 200, r.text
 
 
+def test_n_choices_and_several_prompts(client):
+    r = client.post("/v1/chat/completions", json=chat_body(n=3, max_tokens=5))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == first_tokens(expected_chat_reply(), 5) for c in body["choices"])
+    prompt_tokens = len(chat_prompt_text("hi").encode())
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 15, "total_tokens": prompt_tokens + 15}
+    r = client.post("/v1/completions", json={"prompt": ["ab", "abcd"], "n": 2, "max_tokens": 40})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices] == [reply_for("ab")] * 2 + [reply_for("abcd")] * 2  # prompt i: choices 2i, 2i+1
+    assert r.json()["usage"]["prompt_tokens"] == 6
+
+
+def test_n_choices_streamed(client):
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(n=2, stream=True,
+                                                                     stream_options={"include_usage": True})) as r:
+        r.read()
+    chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    texts, finished = {0: "", 1: ""}, set()
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] += c["delta"].get("content", "")
+            if c["finish_reason"] is not None:
+                finished.add(c["index"])
+    assert texts == {0: expected_chat_reply(), 1: expected_chat_reply()} and finished == {0, 1}
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 * len(expected_chat_reply().encode()) + 2  # + EOS each
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    r = client.post("/v1/completions", json={"prompt": "abc", "echo": True, "max_tokens": 40})
+    assert r.json()["choices"][0]["text"] == "abc" + reply_for("abc")
+    with client.stream("POST", "/v1/completions", json={"prompt": "abc", "echo": True, "stream": True,
+                                                        "max_tokens": 40}) as r:
+        r.read()
+    text = "".join(c["choices"][0]["text"] for c in map(json.loads, sse_events(r)[:-1]) if c["choices"])
+    assert text == "abc" + reply_for("abc")
+
+
+def test_tokenize_and_detokenize(client):
+    r = client.post("/tokenize", json={"prompt": "héllo"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 6, "max_model_len": 256, "tokens": list("héllo".encode())}
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["tokens"] == list(chat_prompt_text("hi").encode())
+    assert client.post("/detokenize", json={"tokens": list("héllo".encode())}).json() == {"prompt": "héllo"}
+    for bad, param in (({"tokens": [999]}, "tokens"), ({"tokens": "x"}, "tokens")):
+        assert_error(client.post("/detokenize", json=bad), 400, param)
+    assert_error(client.post("/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "y"}]}), 400)
+
+
 def test_chat_stream_format(client):
     with client.stream("POST", "/v1/chat/completions",
                        json=chat_body(stream=True, stream_options={"include_usage": True})) as r:
@@ -369,15 +427,23 @@ BAD_REQUESTS = [
     ("chat", chat_body(seed="x"), 400, "seed"),
     ("chat", chat_body(stop=3), 400, "stop"),
     ("chat", chat_body(stop=[""]), 400, "stop"),
-    ("chat", chat_body(n=2), 400, "n"),
-    ("chat", chat_body(logprobs=True), 400, "logprobs"),
-    ("chat", chat_body(top_logprobs=3), 400, "top_logprobs"),
+    ("chat", chat_body(n=0), 400, "n"),
+    ("chat", chat_body(n=17), 400, "n"),
+    ("chat", chat_body(top_logprobs=3), 400, "top_logprobs"),  # without logprobs
+    ("chat", chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("chat", chat_body(tool_choice="auto"), 400, "tool_choice"),
-    ("chat", chat_body(response_format={"type": "json_object"}), 400, "response_format"),
-    ("chat", chat_body(presence_penalty=0.5), 400, "presence_penalty"),
-    ("chat", chat_body(frequency_penalty=1), 400, "frequency_penalty"),
-    ("chat", chat_body(logit_bias={"50": 10}), 400, "logit_bias"),
+    ("chat", chat_body(response_format={"type": "xml"}), 400, "response_format"),
+    ("chat", chat_body(presence_penalty=2.5), 400, "presence_penalty"),
+    ("chat", chat_body(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("chat", chat_body(repetition_penalty=0), 400, "repetition_penalty"),
+    ("chat", chat_body(logit_bias={"fifty": 10}), 400, "logit_bias"),
+    ("chat", chat_body(logit_bias={"9999": 10}), 400, "logit_bias"),  # outside the vocabulary
+    ("chat", chat_body(stop_token_ids=[300]), 400, "stop_token_ids"),
+    ("chat", chat_body(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("chat", chat_body(min_p=1.5), 400, "min_p"),
+    ("chat", chat_body(min_tokens=-1), 400, "min_tokens"),
+    ("chat", chat_body(min_tokens=50, max_tokens=10), 400, None),
     ("chat", chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
     ("chat", chat_body(whatever=1), 400, "whatever"),
     ("chat", {"model": MODEL}, 400, "messages"),
@@ -388,11 +454,12 @@ BAD_REQUESTS = [
     ("chat", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),  # the template refuses
     ("chat", chat_body("x" * 300), 400, "messages"),  # longer than the context (256)
     ("chat", chat_body(max_tokens=250), 400, "messages"),  # prompt + max_tokens over the context
-    ("completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
-    ("completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "x", "best_of": 3, "n": 4}, 400, "best_of"),
+    ("completions", {"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of"),
     ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("completions", {"prompt": "x", "logprobs": 1}, 400, "logprobs"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": ["a"] * 17}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b", "c"], "n": 6}, 400, "prompt"),
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": [5, 999]}, 400, "prompt"),
     ("completions", {"prompt": 5}, 400, "prompt"),
@@ -497,7 +564,7 @@ def test_metrics_move_by_the_right_amounts(client):
 
 def test_metrics_count_errors(client):
     before = scrape(client)
-    client.post("/v1/chat/completions", json=chat_body(n=3))
+    client.post("/v1/chat/completions", json=chat_body(n=0))
     after = scrape(client)
     key = ("specdec:http_requests_total", (("method", "POST"), ("path", "/v1/chat/completions"), ("status", "400")))
     assert after[key] - before.get(key, 0) == 1

@@ -77,6 +77,7 @@ class Engine:
         disable_by_batch_size: int | None = None,
     ) -> None:
         self.target = target
+        self.vocab_size = target.config.vocab_size  # the width of its logits
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.max_model_len = max_model_len
@@ -107,7 +108,7 @@ class Engine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        vocab = self.target.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in (*prompt_token_ids, *params.stop_token_ids, *(t for t, _ in params.logit_bias))
                if not 0 <= t < vocab]
         if bad:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app: `build_app(engine_client, served_model_name, api_key=None)`.
 
     POST /v1/chat/completions, POST /v1/completions   (JSON, or Server-Sent Events with "stream": true)
+    POST /tokenize, /detokenize                         (vLLM's)
     GET  /v1/models, /health, /version, /metrics
 
 Each request: validate (pydantic, strict) -> tokenize (in a worker thread) -> check the context fits ->
@@ -28,12 +29,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.config import SamplingParams
 from specdec.outputs import RequestOutput
+from specdec.sampling import fan_out, pick_best
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
-    APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer, Renderer, new_id,
-    validation_error,
+    APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer, DetokenizeRequest, Renderer,
+    TokenizeRequest, new_id, validation_error,
 )
+from specdec.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,14 @@ def build_app(
         req = await _parse(request, CompletionRequest)
         return await _with_cancellation(request, server.completion(req))
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await server.tokenize(await _parse(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        return await server.detokenize(await _parse(request, DetokenizeRequest))
+
     @app.get("/v1/models")
     async def models() -> dict:
         created = int(server.started)
@@ -138,80 +149,203 @@ class _Server:
         self._check(req)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, messages)
-        params = self._params(req, req.output_limit(), len(prompt_ids), "messages")
-        tracker = await self._submit(new_id("chatcmpl"), prompt_ids, params, "messages")
-        return await self._answer(req, tracker, ChatRenderer)
+        params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs())
+        request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages")
+        return await self._answer(req, request, ChatRenderer)
 
     async def completion(self, req: CompletionRequest) -> Response:
         self._check(req)
-        prompt = req.single_prompt()
-        prompt_ids = await asyncio.to_thread(_completion_prompt_ids, self.engine.tokenizer, prompt)
-        params = self._params(req, req.output_limit(), len(prompt_ids), "prompt")
-        tracker = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt")
-        return await self._answer(req, tracker, CompletionRenderer)
+        prompt_ids = [await asyncio.to_thread(_completion_prompt_ids, self.engine.tokenizer, p) for p in req.prompts()]
+        echo_logprobs = req.logprobs if req.echo else None
+        params = await self._params(req, req.output_limit(), prompt_ids, "prompt", logprobs=req.logprobs,
+                                    prompt_logprobs=echo_logprobs)
+        request = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt")
+        return await self._answer(req, request, CompletionRenderer)
 
-    async def _answer(self, req, tracker: "_Tracker", renderer_type: type[Renderer]) -> Response:
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        if req.model is not None and req.model not in self.names:
+            self._check(req)
+        tokenizer = self.engine.tokenizer
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, messages, req.add_generation_prompt)
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        ids = _completion_prompt_ids(self.engine.tokenizer, req.tokens, param="tokens") if req.tokens else []
+        return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, ids)}
+
+    async def _answer(self, req, request: "_Request", renderer_type: type[Renderer]) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        renderer = renderer_type(tracker.request_id, self.names[0], include_usage=include_usage,
-                                 return_token_ids=req.return_token_ids)
+        tokenizer = self.engine.tokenizer
+        renderer = renderer_type(request.request_id, self.names[0], include_usage=include_usage,
+                                 return_token_ids=req.return_token_ids,
+                                 token_text=lambda t: tokenizer.decode([t]),
+                                 echo=[tokenizer.decode(ids) for ids in request.prompt_ids]
+                                 if getattr(req, "echo", False) else None, n=request.params.n)
         if req.stream:
-            return _SSEResponse(tracker.events(renderer), tracker.close)
-        with contextlib.closing(tracker):
-            return JSONResponse(renderer.response(await tracker.run_to_end()))
+            return _SSEResponse(request.events(renderer), request.close)
+        with contextlib.closing(request):
+            return JSONResponse(renderer.response(await request.run_to_end()))
 
     # -- steps shared by both endpoints
 
-    def _check(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+    def _check(self, req) -> None:
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves "
                                 f"{', '.join(f'`{n}`' for n in self.names)}.", param="model", code="model_not_found")
-        error = req.unsupported_parameter()
+        error = req.unsupported_parameter() if hasattr(req, "unsupported_parameter") else None
         if error is not None:
             raise error
 
-    def _params(self, req, limit: int | None, prompt_len: int, prompt_param: str) -> SamplingParams:
-        """SamplingParams, once the prompt and the requested completion are known to fit the context.
-        Without a limit the completion may take the rest of the context (vLLM's default for chat)."""
+    async def _params(self, req, limit: int | None, prompt_ids: list[list[int]], prompt_param: str,
+                      logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams, once every prompt and the requested completion are known to fit the context.
+        Without a limit the completion may take the rest of the context (vLLM's default for chat). A grammar
+        (response_format) is compiled here, off the engine's thread, and refused here if it is invalid."""
         context = self.engine.max_model_len
-        if prompt_len >= context:
-            raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {prompt_param} "
-                                f"has {prompt_len} tokens: at most {context - 1} prompt tokens fit, leaving room for "
-                                f"one completion token.", param=prompt_param, code="context_length_exceeded")
-        if limit is not None and prompt_len + limit > context:
-            raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
-                                f"{prompt_len + limit} tokens ({prompt_len} in the {prompt_param}, {limit} in the "
-                                f"completion): at most {context - prompt_len} completion tokens fit after this "
-                                f"{prompt_param}.", param=prompt_param, code="context_length_exceeded")
+        for ids in prompt_ids:
+            prompt_len = len(ids)
+            if prompt_len >= context:
+                raise APIError(400, f"This model's maximum context length is {context} tokens. However, your "
+                                    f"{prompt_param} has {prompt_len} tokens: at most {context - 1} prompt tokens fit, "
+                                    f"leaving room for one completion token.", param=prompt_param,
+                               code="context_length_exceeded")
+            if limit is not None and prompt_len + limit > context:
+                raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                                    f"{prompt_len + limit} tokens ({prompt_len} in the {prompt_param}, {limit} in the "
+                                    f"completion): at most {context - prompt_len} completion tokens fit after this "
+                                    f"{prompt_param}.", param=prompt_param, code="context_length_exceeded")
+        fields = req.sampling_fields()
+        vocab = self.engine.vocab_size
+        for name, ids in (("logit_bias", list(fields["logit_bias"])), ("stop_token_ids", fields["stop_token_ids"])):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} in {name} is outside the vocabulary [0, {vocab})", param=name,
+                               code="invalid_value")
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0,
-                max_tokens=limit if limit is not None else context - prompt_len,
+                max_tokens=limit if limit is not None else context - max(len(ids) for ids in prompt_ids),
                 seed=req.seed,
                 stop=req.stop_sequences(),
                 ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                **fields,
             )
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
+        if params.response_format is not None:
+            try:
+                await asyncio.to_thread(Grammar.from_response_format, params.response_format, self.engine.tokenizer,
+                                        self.engine.vocab_size)
+            except ValueError as e:
+                raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+        return params
 
-    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt_param: str
-                      ) -> "_Tracker":
-        started = time.monotonic()
+    async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, prompt_param: str
+                      ) -> "_Request":
+        """One engine request per sequence: `fan_out(params)` of them for each prompt."""
+        request = _Request(request_id, prompt_ids, params)
         try:
-            stream = await self.engine.add_request(request_id, prompt_ids, params)
-        except ValueError as e:
-            raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
-        except QueueFullError as e:
-            raise APIError(503, str(e), code="queue_full",
-                           headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}) from None
-        except EngineStoppedError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
-        return _Tracker(stream, params, started, self.metrics)
+            for i, ids in enumerate(prompt_ids):
+                for j, seq_params in enumerate(fan_out(params)):
+                    sub_id = request_id if len(prompt_ids) == 1 and j == 0 else f"{request_id}-{i}-{j}"
+                    started = time.monotonic()
+                    stream = await self.engine.add_request(sub_id, ids, seq_params)
+                    request.trackers[i].append(_Tracker(stream, seq_params, started, self.metrics))
+        except BaseException as e:
+            request.close()
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
+            if isinstance(e, QueueFullError):
+                raise APIError(503, str(e), code="queue_full",
+                               headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}) from None
+            if isinstance(e, EngineStoppedError):
+                raise APIError(503, str(e), code="engine_unavailable") from None
+            raise
+        return request
+
+
+class _Request:
+    """The engine requests one API request runs: for each prompt, its sequences (`fan_out`). Choices are
+    numbered prompt by prompt, n each: choice i * n + j is sequence j of prompt i (with best_of > n, the
+    j-th best)."""
+
+    def __init__(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams):
+        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.trackers: list[list[_Tracker]] = [[] for _ in prompt_ids]
+
+    def _all(self) -> list["_Tracker"]:
+        return [t for group in self.trackers for t in group]
+
+    async def run_to_end(self) -> list[tuple[int, RequestOutput]]:
+        """(choice index, final output) of every choice, in order."""
+        choices = []
+        for i, group in enumerate(self.trackers):
+            outs = [await tracker.run_to_end() for tracker in group]
+            choices += [(i * self.params.n + out.index, out) for out in pick_best(outs, self.params)]
+        return choices
+
+    async def events(self, renderer: Renderer) -> AsyncIterator[str]:
+        """SSE events of every choice as its sequence makes them (choices interleave), then usage if asked,
+        then `[DONE]`. An engine failure mid-stream becomes an error event (the status line is already sent)."""
+        indexed = [(i * self.params.n + j, t) for i, group in enumerate(self.trackers) for j, t in enumerate(group)]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, tracker: _Tracker) -> None:
+            try:
+                async for out in tracker.outputs():
+                    await queue.put((index, tracker, out))
+            except RuntimeError as e:  # EngineStoppedError included
+                await queue.put((index, tracker, e))
+            finally:
+                await queue.put((index, tracker, None))
+
+        tasks = [asyncio.ensure_future(pump(index, tracker)) for index, tracker in indexed]
+        finals: list[tuple[int, RequestOutput]] = []
+        try:
+            for index, _ in indexed:
+                first = renderer.first_chunk(index)
+                if first is not None:
+                    yield _sse(first)
+            running = len(tasks)
+            while running:
+                index, tracker, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, RuntimeError):
+                    status = 503 if isinstance(item, EngineStoppedError) else 500
+                    yield _sse(APIError(status, str(item), code="engine_unavailable" if status == 503
+                                        else "engine_error").to_dict())
+                    break
+                else:
+                    text = tracker.text_delta(item)
+                    if item.finished or text or (renderer.return_token_ids and item.new_token_ids):
+                        yield _sse(renderer.chunk(item, text, index))
+                    if item.finished:
+                        finals.append((index, item))
+            else:
+                if renderer.include_usage:
+                    yield _sse(renderer.usage_chunk(finals))
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.close()
+        yield "data: [DONE]\n\n"
+
+    def close(self) -> None:
+        for tracker in self._all():
+            tracker.close()
 
 
 class _Tracker:
-    """One accepted request: its output stream, its timings, and its cleanup (`close`, idempotent): abort
+    """One engine request: its output stream, its timings, and its cleanup (`close`, idempotent): abort
     if unfinished, count it in the metrics."""
 
     def __init__(self, stream: RequestStream, params: SamplingParams, started: float, metrics: ServerMetrics):
@@ -245,28 +379,7 @@ class _Tracker:
             raise APIError(500, str(e), code="engine_error") from None
         raise APIError(500, "the engine ended the request without a final output", code="engine_error")
 
-    async def events(self, renderer: Renderer) -> AsyncIterator[str]:
-        """SSE events: a chunk per step that made text (or tokens, with return_token_ids), the finishing chunk,
-        usage if asked, `[DONE]`. An engine failure mid-stream becomes an error event (the status line is
-        already sent)."""
-        try:
-            first = renderer.first_chunk()
-            if first is not None:
-                yield _sse(first)
-            async for out in self.outputs():
-                text = self._text_delta(out)
-                if out.finished or text or (renderer.return_token_ids and out.new_token_ids):
-                    yield _sse(renderer.chunk(out, text))
-                if out.finished and renderer.include_usage:
-                    yield _sse(renderer.usage_chunk(out))
-        except RuntimeError as e:  # EngineStoppedError included
-            status = 503 if isinstance(e, EngineStoppedError) else 500
-            yield _sse(APIError(status, str(e), code="engine_unavailable" if status == 503 else "engine_error").to_dict())
-        finally:
-            self.close()
-        yield "data: [DONE]\n\n"
-
-    def _text_delta(self, out: RequestOutput) -> str:
+    def text_delta(self, out: RequestOutput) -> str:
         """The text to stream after this output: what the engine's text gained since the last event, less a
         tail as long as the longest stop string but one, which may yet turn out to begin a stop string (the
         engine cuts a completed stop string off its text, so that tail must not have been sent).
@@ -330,22 +443,22 @@ async def _disconnected(request: Request) -> None:
 # ---- tokenization (run in a worker thread) ------------------------------------------------------------
 
 
-def _chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def _chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # the template refused the conversation (raise_exception), or there is none
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                        code="invalid_value") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+def _completion_prompt_ids(tokenizer, prompt: str | list[int], param: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=True)
     vocab = tokenizer.vocab_size
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} in the prompt is outside the vocabulary [0, {vocab})", param="prompt",
+        raise APIError(400, f"token id {bad} in the {param} is outside the vocabulary [0, {vocab})", param=param,
                        code="invalid_value")
     return list(prompt)
 

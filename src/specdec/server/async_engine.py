@@ -109,6 +109,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size  # the model's logits width
         self._listeners: list[Callable[[list[RequestOutput]], None]] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
         self._streams: dict[str, _Add] = {}  # engine thread only

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specdec.outputs import RequestOutput
+from specdec.metrics import SpecMetrics
+from specdec.outputs import RequestOutput, TokenLogprob
 
 # ---- errors -------------------------------------------------------------------------------------------
 
@@ -91,6 +93,7 @@ class ChatMessage(_Strict):
 
 
 INT64 = dict(ge=-(2**63), le=2**64 - 1)
+MAX_N = 16  # the most sequences (n, best_of) one request may ask for
 
 
 class _SamplingRequest(_Strict):
@@ -108,15 +111,35 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: recorded by OpenAI, no effect on the output
-    # Declared so that their neutral values pass; see `unsupported_parameter`.
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
-    min_p: float | None = None
-    stop_token_ids: list[int] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int | None = Field(None, ge=0)  # vLLM extension
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM extension
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    response_format: dict[str, Any] | None = None  # {"type": "json_object"} or a "json_schema"
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields these requests share (validated there too)."""
+        try:
+            bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value") from None
+        rf = self.response_format
+        return dict(
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias, min_tokens=self.min_tokens or 0, min_p=self.min_p or 0.0,
+            stop_token_ids=tuple(self.stop_token_ids or ()), n=self.num_sequences()[0],
+            best_of=self.num_sequences()[1],
+            response_format=None if rf is None or rf.get("type") == "text" else rf,
+        )
+
+    def num_sequences(self) -> tuple[int, int | None]:
+        """(n, best_of) of each prompt."""
+        return self.n or 1, None
 
     def stop_sequences(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -138,29 +161,30 @@ class _SamplingRequest(_Strict):
                                 param=name, code="unsupported_parameter")
         return None
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {
-        "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-        "logit_bias": ({},), "min_tokens": (0,), "min_p": (0,), "stop_token_ids": ([],),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple]] = {}
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+        **_SamplingRequest.NEUTRAL, "tools": ([],),
         "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-        "response_format": ({"type": "text"},),
     }
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None without `logprobs`, else `top_logprobs` (default 0)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -168,33 +192,63 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI allows 5; vLLM 20
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingRequest.NEUTRAL, "echo": (False,), "suffix": ("",), "best_of": (1,)}
+    def num_sequences(self) -> tuple[int, int | None]:
+        return self.n or 1, self.best_of
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingRequest.NEUTRAL, "suffix": ("",)}
 
     def output_limit(self) -> int:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's and vLLM's default
 
     def unsupported_parameter(self) -> APIError | None:
-        if self.logprobs is not None:
-            return APIError(400, "logprobs is not supported by specdec", param="logprobs",
-                            code="unsupported_parameter")
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
+            return APIError(400, f"best_of ({self.best_of}) must be >= n ({n})", param="best_of",
+                            code="invalid_value")
+        if self.stream and self.best_of is not None and self.best_of > n:
+            return APIError(400, "best_of > n cannot be streamed: the best are known only at the end",
+                            param="best_of", code="invalid_value")
         return super().unsupported_parameter()
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); a batch of several is refused (specdec answers n=1)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (text or token ids): one, or a batch of several (answered as n choices each)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, f"a batch of {len(p)} prompts is not supported; send one prompt per request",
-                               param="prompt", code="unsupported_parameter")
-            p = p[0]
-        if len(p) == 0:
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(batch) > MAX_N:
+            raise APIError(400, f"at most {MAX_N} prompts per request, got {len(batch)}", param="prompt",
+                           code="invalid_value")
+        if any(len(q) == 0 for q in batch) or not batch:
             raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-        return p
+        if len(batch) * (self.best_of or self.n or 1) > MAX_N:
+            raise APIError(400, f"{len(batch)} prompts x {self.best_of or self.n or 1} sequences each is more than the "
+                                f"{MAX_N} one request may run", param="prompt", code="invalid_value")
+        return batch
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -223,7 +277,7 @@ class AssistantMessage(BaseModel):
 
 class _Choice(BaseModel):
     index: int = 0
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | None = None  # vLLM's: the stop string that ended it
     token_ids: list[int] | None = None  # with return_token_ids (vLLM extension)
@@ -265,35 +319,61 @@ def new_id(prefix: str) -> str:
 
 class Renderer:
     """Turns one request's `RequestOutput`s into JSON-ready bodies: the whole answer, or stream chunks.
-    `ChatRenderer` and `CompletionRenderer` differ only in the choice they build."""
+    `ChatRenderer` and `CompletionRenderer` differ only in the choice they build (and its logprobs).
+    `token_text(id)` is a token's text (for logprobs); `echo` the prompts' texts to put before each
+    completion (completions with echo), choice i completing prompt i // `n`."""
 
-    def __init__(self, request_id: str, model: str, *, include_usage: bool = False, return_token_ids: bool = False):
+    def __init__(self, request_id: str, model: str, *, include_usage: bool = False, return_token_ids: bool = False,
+                 token_text: Callable[[int], str] = str, echo: list[str] | None = None, n: int = 1):
         self.request_id, self.model = request_id, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
+        self.token_text, self.echo, self.n = token_text, echo, n
         self.created = int(time.time())
+        self._echoed: set[int] = set()  # streamed choices whose echo was sent
 
-    def first_chunk(self) -> dict | None:
+    def first_chunk(self, index: int) -> dict | None:
         return None
 
-    def response(self, out: RequestOutput) -> dict:
-        choice = self._choice(out, out.text, out.token_ids, final=True, streaming=False)
-        return self._body(choice, out, usage=_usage(out), streaming=False)
+    def response(self, choices: list[tuple[int, RequestOutput]]) -> dict:
+        """The whole answer: `choices` are (index, final output)."""
+        built = []
+        for index, out in choices:
+            echo = self.echo is not None
+            text = self.echo[index // self.n] + out.text if echo else out.text
+            built.append(self._choice(out, text, out.token_ids, out.logprobs, index, final=True, streaming=False,
+                                      with_prompt=echo))
+        outs = [out for _, out in choices]
+        return self._body(built, _merged_metrics(outs), usage=self.usage(choices), outs=outs, streaming=False)
 
-    def chunk(self, out: RequestOutput, text: str) -> dict:
-        """The chunk of one step: `text` (what it made streamable), and on the last step the finish reason and
-        statistics."""
-        choice = self._choice(out, text, out.new_token_ids, final=out.finished, streaming=True)
-        return self._body(choice, out if out.finished else None, usage=None, streaming=True)
+    def chunk(self, out: RequestOutput, text: str, index: int = 0) -> dict:
+        """The chunk of one step of choice `index`: `text` (what it made streamable), and on the last step
+        the finish reason and statistics."""
+        echo = self.echo is not None and index not in self._echoed  # the echo goes with a choice's first chunk
+        if echo:
+            self._echoed.add(index)
+            text = self.echo[index // self.n] + text
+        choice = self._choice(out, text, out.new_token_ids, out.new_logprobs, index, final=out.finished, streaming=True,
+                              with_prompt=echo)
+        return self._body([choice], out.metrics if out.finished else None, usage=None,
+                          outs=[out] if out.finished else [], streaming=True)
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        return self._body(None, None, usage=_usage(out), streaming=True)
+    def usage_chunk(self, choices: list[tuple[int, RequestOutput]]) -> dict:
+        return self._body([], None, usage=self.usage(choices), outs=[], streaming=True)
 
-    def _body(self, choice, out, usage: Usage | None, streaming: bool) -> dict:
+    def usage(self, choices: list[tuple[int, RequestOutput]]) -> Usage:
+        """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
+        prompt = sum({index // self.n: len(out.prompt_token_ids) for index, out in choices}.values())
+        completion = sum(len(out.token_ids) for _, out in choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _body(self, choices: list, metrics, usage: Usage | None, outs: list[RequestOutput], streaming: bool) -> dict:
         response_type = self.chunk_type if streaming else self.response_type
+        prompt_ids = None
+        if outs and self.return_token_ids:
+            prompt_ids = list(outs[0].prompt_token_ids)
         body = response_type(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice] if choice else [],
-            usage=usage, specdec=out.metrics.to_dict() if out is not None else None,
-            prompt_token_ids=list(out.prompt_token_ids) if out is not None and self.return_token_ids else None,
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage, specdec=metrics.to_dict() if metrics is not None else None, prompt_token_ids=prompt_ids,
         ).model_dump(mode="json")
         for key in ("specdec", "prompt_token_ids"):
             if body[key] is None:
@@ -310,30 +390,71 @@ class Renderer:
 class ChatRenderer(Renderer):
     response_type, chunk_type = ChatCompletionResponse, ChatCompletionChunk
 
-    def first_chunk(self) -> dict:
-        return self._body(ChatChunkChoice(delta={"role": "assistant", "content": ""}), None, None, streaming=True)
+    def first_chunk(self, index: int) -> dict:
+        choice = ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})
+        return self._body([choice], None, None, outs=[], streaming=True)
 
-    def _choice(self, out, text: str, token_ids: list[int], final: bool, streaming: bool):
-        common = _choice_fields(out, token_ids if self.return_token_ids else None, final)
+    def _choice(self, out, text: str, token_ids: list[int], logprobs, index: int, final: bool, streaming: bool,
+                with_prompt: bool = False):
+        common = _choice_fields(out, token_ids if self.return_token_ids else None, final, index)
+        if logprobs is not None:
+            common["logprobs"] = {"content": [self._entry(e) for e in logprobs], "refusal": None}
         if not streaming:
             return ChatChoice(message=AssistantMessage(content=text), **common)
         return ChatChunkChoice(delta={"content": text} if text or not final else {}, **common)
+
+    def _entry(self, e: TokenLogprob) -> dict:
+        return {**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
 
 class CompletionRenderer(Renderer):
     response_type = chunk_type = CompletionResponse
 
-    def _choice(self, out, text: str, token_ids: list[int], final: bool, streaming: bool):
-        return CompletionChoice(text=text, **_choice_fields(out, token_ids if self.return_token_ids else None, final))
+    def _choice(self, out, text: str, token_ids: list[int], logprobs, index: int, final: bool, streaming: bool,
+                with_prompt: bool = False):
+        common = _choice_fields(out, token_ids if self.return_token_ids else None, final, index)
+        if logprobs is not None:
+            entries = list(logprobs)
+            if with_prompt and out.prompt_logprobs is not None:  # echo: the prompt's tokens come first
+                entries = list(out.prompt_logprobs) + entries
+            common["logprobs"] = self._logprobs(out.prompt_token_ids[0] if out.prompt_token_ids else 0, entries)
+        return CompletionChoice(text=text, **common)
+
+    def _logprobs(self, first_prompt_token: int, entries: list) -> dict:
+        """OpenAI's completions shape; the prompt's first token (echo) has no logprob (null)."""
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for e in entries:
+            token_id = e.token_id if e is not None else first_prompt_token
+            text = self.token_text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            token_logprobs.append(None if e is None else _finite(e.logprob))
+            top.append(None if e is None else {self.token_text(t): _finite(lp) for t, lp in e.top})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _choice_fields(out: RequestOutput, token_ids: list[int] | None, final: bool) -> dict:
+def _finite(logprob: float) -> float:
+    """-inf (a token the processing excluded) as OpenAI writes it: -9999.0."""
+    return max(logprob, -9999.0)
+
+
+def _choice_fields(out: RequestOutput, token_ids: list[int] | None, final: bool, index: int) -> dict:
     # stop_reason as vLLM's: the stop string that ended the answer, None when EOS (or the length) did
     stop_reason = out.stop_reason if final and isinstance(out.stop_reason, str) else None
-    return {"finish_reason": out.finish_reason if final else None, "stop_reason": stop_reason,
+    return {"index": index, "finish_reason": out.finish_reason if final else None, "stop_reason": stop_reason,
             "token_ids": list(token_ids) if token_ids is not None else None}
 
 
-def _usage(out: RequestOutput) -> Usage:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _merged_metrics(outs: list[RequestOutput]) -> SpecMetrics:
+    if len(outs) == 1:
+        return outs[0].metrics
+    merged = SpecMetrics()
+    for out in outs:
+        merged.merge(out.metrics)
+    return merged
+
