@@ -156,12 +156,12 @@ def test_sampling_parameters_and_logprobs_equal_plain_decoding(client, reference
     """Penalties, logit_bias and logprobs through the server (K = 5 speculation) against plain decoding in
     this process: the same tokens, and the same logprobs bit for bit (the block kernels are row-invariant,
     so a verification pass scores each position exactly as a decoding step does)."""
-    comma = 11  # ","
-    extra = dict(frequency_penalty=0.5, presence_penalty=0.3, logit_bias={comma: 5.0})
+    no_def = 750  # "def": the plain answer's fourth token, forbidden here
+    extra = dict(frequency_penalty=0.5, presence_penalty=0.3, logit_bias={no_def: -100.0})
     ref = reference("chat", CHAT, 12, logprobs=2, **extra)
     r = client.chat.completions.create(
         model=TARGET, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
-        frequency_penalty=0.5, presence_penalty=0.3, logit_bias={str(comma): 5.0},
+        frequency_penalty=0.5, presence_penalty=0.3, logit_bias={str(no_def): -100.0},
         extra_body={"return_token_ids": True})
     (choice,) = r.choices
     assert token_ids(choice) == ref.token_ids and r.model_extra["specdec"]["num_draft_tokens"] > 0
