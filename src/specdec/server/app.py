@@ -136,11 +136,12 @@ class _Server:
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
         self._check(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, messages)
+        tool_parser = req.tool_parser()
+        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
+                                             req.template_tools())
         params = self._params(req, req.output_limit(), len(prompt_ids), "messages")
         tracker = await self._submit(new_id("chatcmpl"), prompt_ids, params, "messages")
-        return await self._answer(req, tracker, ChatRenderer)
+        return await self._answer(req, tracker, ChatRenderer, tool_parser=tool_parser)
 
     async def completion(self, req: CompletionRequest) -> Response:
         self._check(req)
@@ -150,10 +151,10 @@ class _Server:
         tracker = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt")
         return await self._answer(req, tracker, CompletionRenderer)
 
-    async def _answer(self, req, tracker: "_Tracker", renderer_type: type[Renderer]) -> Response:
+    async def _answer(self, req, tracker: "_Tracker", renderer_type: type[Renderer], **options) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         renderer = renderer_type(tracker.request_id, self.names[0], include_usage=include_usage,
-                                 return_token_ids=req.return_token_ids)
+                                 return_token_ids=req.return_token_ids, **options)
         if req.stream:
             return _SSEResponse(tracker.events(renderer), tracker.close)
         with contextlib.closing(tracker):
@@ -256,7 +257,9 @@ class _Tracker:
             async for out in self.outputs():
                 text = self._text_delta(out)
                 if out.finished or text or (renderer.return_token_ids and out.new_token_ids):
-                    yield _sse(renderer.chunk(out, text))
+                    chunk = renderer.chunk(out, text)
+                    if chunk is not None:  # None: the text is held back (a possible tool call)
+                        yield _sse(chunk)
                 if out.finished and renderer.include_usage:
                     yield _sse(renderer.usage_chunk(out))
         except RuntimeError as e:  # EngineStoppedError included
@@ -330,9 +333,9 @@ async def _disconnected(request: Request) -> None:
 # ---- tokenization (run in a worker thread) ------------------------------------------------------------
 
 
-def _chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def _chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except Exception as e:  # the template refused the conversation (raise_exception), or there is none
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                        code="invalid_value") from None
