@@ -71,11 +71,11 @@ def reference(server):
     llm = LLM(model=TARGET)
     cache: dict = {}
 
-    def run(kind: str, what, max_tokens: int = N, **extra):
-        key = (kind, json.dumps(what), max_tokens, json.dumps(extra, sort_keys=True))
+    def run(kind: str, what, max_tokens: int = N, tools: list[dict] | None = None, **extra):
+        key = (kind, json.dumps(what), max_tokens, json.dumps(tools), json.dumps(extra, sort_keys=True))
         if key not in cache:
             params = SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
-            cache[key] = (llm.chat(what, params) if kind == "chat" else llm.generate(what, params))[0]
+            cache[key] = (llm.chat(what, params, tools=tools) if kind == "chat" else llm.generate(what, params))[0]
         return cache[key]
 
     return run
@@ -195,6 +195,51 @@ def scrape(url: str) -> dict:
         for s in family.samples:
             samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
     return samples
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+PARIS = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+
+
+def test_tool_call_round_trip_streamed_or_not(client, reference):
+    """A call, the tool's result sent back as a `tool` message, then the final answer; each streamed and not,
+    each what `LLM.chat(..., tools=...)` answers greedily, parsed. The model writes its call in a ```json fence
+    (not the template's <tool_call> tags), and answers the result by echoing it in another fence: content."""
+    from specdec.server.tool_calls import ToolCallParser
+
+    ref = reference("chat", PARIS, 40, tools=[WEATHER])
+    _, ref_calls = ToolCallParser(("get_weather",)).parse(ref.text)
+    assert [(c.name, c.arguments) for c in ref_calls] == [("get_weather", '{"city": "Paris"}')]
+    r = client.chat.completions.create(model=TARGET, messages=PARIS, tools=[WEATHER], max_tokens=40, temperature=0)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    chunks = list(client.chat.completions.create(model=TARGET, messages=PARIS, tools=[WEATHER], max_tokens=40,
+                                                 temperature=0, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, "function", "get_weather", '{"city": "Paris"}')]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "condition": "sunny"}'}
+    called = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    ref = reference("chat", [*PARIS, called, result], N, tools=[WEATHER])
+    messages = [*PARIS, choice.message, result]  # the assistant message as the client got it
+    r = client.chat.completions.create(model=TARGET, messages=messages, tools=[WEATHER], max_tokens=N, temperature=0)
+    (choice,) = r.choices
+    assert choice.message.content == ref.text and not choice.message.tool_calls
+    assert choice.finish_reason == ref.finish_reason
+    chunks = list(client.chat.completions.create(model=TARGET, messages=messages, tools=[WEATHER], max_tokens=N,
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
 
 
 def test_metrics_counters_move_by_the_request(url, client):

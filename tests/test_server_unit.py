@@ -54,7 +54,7 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         if messages[0]["role"] == "assistant":
             raise ValueError("Conversations must start with a user or system message")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
@@ -431,7 +431,7 @@ BAD_REQUESTS = [
     ("chat", chat_body(n=17), 400, "n"),
     ("chat", chat_body(top_logprobs=3), 400, "top_logprobs"),  # without logprobs
     ("chat", chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
-    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat", chat_body(tools=[{"type": "code_interpreter"}]), 400, "tools[0].type"),
     ("chat", chat_body(tool_choice="auto"), 400, "tool_choice"),
     ("chat", chat_body(response_format={"type": "xml"}), 400, "response_format"),
     ("chat", chat_body(presence_penalty=2.5), 400, "presence_penalty"),

@@ -208,11 +208,15 @@ class LLM:
         return self._run(ids, sampling_params or SamplingParams())
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and complete it."""
+        """Apply the model's chat template to each conversation and complete it. `tools`, OpenAI function tools
+        (`[{"type": "function", "function": {"name", "description", "parameters"}}]`), go to the template as in
+        vLLM's `LLM.chat`; the answer is the raw text (`specdec.server.tool_calls.ToolCallParser` finds its
+        calls). Messages go to the template as given: Qwen2.5's wants tool call `arguments` as dicts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
+        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tools=tools), add_special_tokens=False)
                for c in conversations]  # type: ignore[arg-type]
         return self._run(ids, sampling_params or SamplingParams())
 

@@ -1,6 +1,7 @@
 """`specdec serve`: an OpenAI-compatible HTTP server over the speculative engine.
 
     protocol.py       OpenAI request/response models (pydantic) and the error shape
+    tool_calls.py     tool calls in the model's text: parsed whole, or while it streams
     async_engine.py   the engine's worker thread and its asyncio bridge (abort on disconnect)
     app.py            the FastAPI app: routes, SSE streaming, auth, body limit
     metrics.py        Prometheus metrics with vLLM's names under `specdec:`

@@ -147,11 +147,12 @@ class _Server:
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
         self._check(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, messages)
+        tool_parser = req.tool_parser()
+        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
+                                             req.template_tools())
         params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs())
         request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages")
-        return await self._answer(req, request, ChatRenderer)
+        return await self._answer(req, request, ChatRenderer, tool_parser=tool_parser)
 
     async def completion(self, req: CompletionRequest) -> Response:
         self._check(req)
@@ -167,8 +168,8 @@ class _Server:
             self._check(req)
         tokenizer = self.engine.tokenizer
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, messages, req.add_generation_prompt)
+            ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req.template_messages(), None,
+                                          req.add_generation_prompt)
         else:
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
@@ -177,14 +178,14 @@ class _Server:
         ids = _completion_prompt_ids(self.engine.tokenizer, req.tokens, param="tokens") if req.tokens else []
         return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, ids)}
 
-    async def _answer(self, req, request: "_Request", renderer_type: type[Renderer]) -> Response:
+    async def _answer(self, req, request: "_Request", renderer_type: type[Renderer], **options) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tokenizer = self.engine.tokenizer
         renderer = renderer_type(request.request_id, self.names[0], include_usage=include_usage,
                                  return_token_ids=req.return_token_ids,
                                  token_text=lambda t: tokenizer.decode([t]),
                                  echo=[tokenizer.decode(ids) for ids in request.prompt_ids]
-                                 if getattr(req, "echo", False) else None, n=request.params.n)
+                                 if getattr(req, "echo", False) else None, n=request.params.n, **options)
         if req.stream:
             return _SSEResponse(request.events(renderer), request.close)
         with contextlib.closing(request):
@@ -326,8 +327,11 @@ class _Request:
                     break
                 else:
                     text = tracker.text_delta(item)
-                    if item.finished or text or (renderer.return_token_ids and item.new_token_ids):
-                        yield _sse(renderer.chunk(item, text, index))
+                    if item.finished or text or (renderer.return_token_ids and item.new_token_ids) or \
+                            item.new_logprobs:
+                        chunk = renderer.chunk(item, text, index)
+                        if chunk is not None:  # None: the text is held back (a possible tool call)
+                            yield _sse(chunk)
                     if item.finished:
                         finals.append((index, item))
             else:
@@ -443,9 +447,10 @@ async def _disconnected(request: Request) -> None:
 # ---- tokenization (run in a worker thread) ------------------------------------------------------------
 
 
-def _chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def _chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                     add_generation_prompt: bool = True) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as e:  # the template refused the conversation (raise_exception), or there is none
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                        code="invalid_value") from None

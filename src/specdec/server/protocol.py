@@ -8,15 +8,17 @@ neutral value (`n=1`, `logprobs=false`, `presence_penalty=0`, ...) is accepted; 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdec.metrics import SpecMetrics
 from specdec.outputs import RequestOutput, TokenLogprob
+from specdec.server.tool_calls import ToolCallParser, ToolCallStream
 
 # ---- errors -------------------------------------------------------------------------------------------
 
@@ -50,7 +52,12 @@ def validation_error(e: ValidationError) -> APIError:
         return APIError(400, f"The request body must be a JSON object: {err['msg']}", code="invalid_request")
     if err["type"] == "missing":
         return APIError(400, f"Missing required parameter: {param}", param=param, code="missing_required_parameter")
-    return APIError(400, f"Invalid value for {param}: {err['msg']}", param=param, code="invalid_value")
+    message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]  # no "Value error, "
+    return APIError(400, f"Invalid value for {param}: {message}", param=param, code="invalid_value")
+
+
+_FIELDS = {"role", "content", "type", "text", "include_usage", "tool_calls", "tool_call_id", "function", "name",
+           "arguments", "description", "parameters", "strict"}
 
 
 def _param_name(loc: list) -> str | None:
@@ -61,7 +68,7 @@ def _param_name(loc: list) -> str | None:
     for part in loc[1:]:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif part in ("role", "content", "type", "text", "include_usage"):
+        elif part in _FIELDS:
             name += f".{part}"
         else:
             break
@@ -84,12 +91,84 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # as vLLM
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, arguments: str) -> str:
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"arguments must be JSON text: {e}") from None
+        return arguments
+
+
+class ToolCallParam(_Strict):
+    """A call in an assistant message of the conversation (one the model made earlier)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant message with tool_calls
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only tool messages have it")
+        return self
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)  # as vLLM
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape). Call arguments become dicts, as vLLM
+        passes them: Qwen2.5's template writes them with `tojson`, which would quote a JSON string again.
+        Example: `{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}`."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                          "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 INT64 = dict(ge=-(2**63), le=2**64 - 1)
@@ -169,15 +248,14 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
-    functions: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # the legacy form of tools: refused, send tools instead
     function_call: str | dict[str, Any] | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "tools": ([],),
-        "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+        **_SamplingRequest.NEUTRAL, "functions": ([],), "function_call": ("none",),
     }
 
     def num_logprobs(self) -> int | None:
@@ -188,6 +266,29 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the template, with the fields the client set (none added as nulls), or None."""
+        return [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None
+
+    def tool_parser(self) -> ToolCallParser | None:
+        """The parser of the answer's tool calls; None without tools or with `tool_choice: "none"` (the tools
+        are still in the prompt, as in vLLM). `"required"` and a named function are parsed as `"auto"` is:
+        nothing makes the model call. A 400 for a `tool_choice` without tools or naming no declared tool."""
+        names = tuple(t.function.name for t in self.tools or ())
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise APIError(400, "tool_choice needs tools: declare the functions in tools", param="tool_choice",
+                           code="invalid_value")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among "
+                                f"the tools ({', '.join(names)})", param="tool_choice", code="invalid_value")
+        if not names or choice == "none":
+            return None
+        return ToolCallParser(names, parallel=self.parallel_tool_calls is not False)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -245,6 +346,9 @@ class TokenizeRequest(_Strict):
             raise ValueError("give either prompt or messages")
         return self
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages or ()]
+
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
@@ -272,7 +376,8 @@ class _Response(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # left out of the body when None
 
 
 class _Choice(BaseModel):
@@ -288,7 +393,8 @@ class ChatChoice(_Choice):
 
 
 class ChatChunkChoice(_Choice):
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}; {} at the end
+    delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": ...} or
+    # {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}; {} at the end
 
 
 class CompletionChoice(_Choice):
@@ -345,15 +451,17 @@ class Renderer:
         outs = [out for _, out in choices]
         return self._body(built, _merged_metrics(outs), usage=self.usage(choices), outs=outs, streaming=False)
 
-    def chunk(self, out: RequestOutput, text: str, index: int = 0) -> dict:
+    def chunk(self, out: RequestOutput, text: str, index: int = 0) -> dict | None:
         """The chunk of one step of choice `index`: `text` (what it made streamable), and on the last step
-        the finish reason and statistics."""
+        the finish reason and statistics. None when the step has nothing to send."""
         echo = self.echo is not None and index not in self._echoed  # the echo goes with a choice's first chunk
         if echo:
             self._echoed.add(index)
             text = self.echo[index // self.n] + text
         choice = self._choice(out, text, out.new_token_ids, out.new_logprobs, index, final=out.finished, streaming=True,
                               with_prompt=echo)
+        if choice is None:  # nothing to send: the text is held back (a possible tool call)
+            return None
         return self._body([choice], out.metrics if out.finished else None, usage=None,
                           outs=[out] if out.finished else [], streaming=True)
 
@@ -383,12 +491,23 @@ class Renderer:
         for c in body["choices"]:
             if c["token_ids"] is None:
                 del c["token_ids"]
+            if "message" in c and c["message"]["tool_calls"] is None:
+                del c["message"]["tool_calls"]
         first = ("id", "object", "created", "model", "choices")  # OpenAI's key order
         return {**{k: body[k] for k in first}, **body}
 
 
 class ChatRenderer(Renderer):
+    """With a `tool_parser`, the text is split into content and tool calls (finish reason "tool_calls" when
+    there were calls): the whole answer at once, or a stream step by step, text that may begin a call held
+    back until it is known (see `ToolCallStream`)."""
+
     response_type, chunk_type = ChatCompletionResponse, ChatCompletionChunk
+
+    def __init__(self, *args, tool_parser: ToolCallParser | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+        self.tool_streams: dict[int, ToolCallStream] = {}  # streamed choice -> its parser's state
 
     def first_chunk(self, index: int) -> dict:
         choice = ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})
@@ -399,9 +518,27 @@ class ChatRenderer(Renderer):
         common = _choice_fields(out, token_ids if self.return_token_ids else None, final, index)
         if logprobs is not None:
             common["logprobs"] = {"content": [self._entry(e) for e in logprobs], "refusal": None}
+        content, calls = text, []
         if not streaming:
-            return ChatChoice(message=AssistantMessage(content=text), **common)
-        return ChatChunkChoice(delta={"content": text} if text or not final else {}, **common)
+            if self.tool_parser is not None:
+                content, calls = self.tool_parser.parse(text)
+            if calls:
+                common["finish_reason"] = "tool_calls"
+            message = AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None)
+            return ChatChoice(message=message, **common)
+        stream = None
+        if self.tool_parser is not None:
+            stream = self.tool_streams.setdefault(index, self.tool_parser.stream())
+            content, calls = stream.feed(text, final)
+            if not (content or calls or final or common["token_ids"] or logprobs):
+                return None
+            if final and stream.num_calls:
+                common["finish_reason"] = "tool_calls"
+        delta: dict[str, Any] = {"content": content} if content or not (final or calls) else {}
+        if calls:
+            first = stream.num_calls - len(calls)
+            delta["tool_calls"] = [c.to_openai(index=first + i) for i, c in enumerate(calls)]
+        return ChatChunkChoice(delta=delta, **common)
 
     def _entry(self, e: TokenLogprob) -> dict:
         return {**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
