@@ -100,3 +100,22 @@ def test_chat_template_flag_replaces_the_models_template(tiny_gguf, tmp_path):
     llm = load_for_serving(args, tiny_gguf, None)
     assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
     assert read_chat_template("{{ messages }}") == "{{ messages }}"
+
+
+def test_generation_config_gives_the_defaults_of_parameters_requests_leave_out(tmp_path):
+    from specdec.server.cli import generation_defaults
+
+    parse = add_serve_arguments(argparse.ArgumentParser()).parse_args
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "bos_token_id": 1}))
+    expected = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    assert generation_defaults(parse([]), tmp_path) == expected  # auto: the model folder's
+    assert generation_defaults(parse([]), tmp_path / "model.gguf") == {}  # a GGUF file has none
+    assert generation_defaults(parse(["--generation-config", "vllm"]), tmp_path) == {}
+    assert generation_defaults(parse(["--generation-config", str(tmp_path)]), "elsewhere") == expected
+    args = parse(["--override-generation-config", '{"temperature": 0.2, "max_new_tokens": 64}'])
+    assert generation_defaults(args, tmp_path) == {**expected, "temperature": 0.2, "max_new_tokens": 64}
+    for bad in (["--generation-config", str(tmp_path / "none")], ["--override-generation-config", "[1]"],
+                ["--override-generation-config", '{"tempreature": 1}']):
+        with pytest.raises(ValueError):
+            generation_defaults(parse(bad), tmp_path)

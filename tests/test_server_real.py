@@ -242,6 +242,19 @@ def test_tool_call_round_trip_streamed_or_not(client, reference):
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
 
 
+def test_a_required_tool_call_is_enforced(client):
+    """The model answers this request in plain code when free to; with tool_choice "required" (or the named
+    function) the grammar makes the answer a call whose arguments follow the function's schema."""
+    code = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=TARGET, messages=code, tools=[WEATHER], tool_choice=tool_choice,
+                                           max_tokens=40, temperature=0)
+        (choice,) = r.choices
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+
+
 def test_metrics_counters_move_by_the_request(url, client):
     before = scrape(url)
     r = client.completions.create(model=TARGET, prompt="# quicksort in Python\n", max_tokens=16, temperature=0)

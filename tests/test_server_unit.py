@@ -361,6 +361,22 @@ def test_tokenize_and_detokenize(client):
     assert_error(client.post("/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "y"}]}), 400)
 
 
+def test_generation_config_defaults_fill_what_requests_leave_out():
+    class Recording(FakeEngine):
+        def add_request(self, request_id, prompt_token_ids, params):
+            super().add_request(request_id, prompt_token_ids, params)
+            self.params = params
+
+    defaults = {"temperature": 0.3, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 7}
+    with LiveServer(Recording(), sampling_defaults=defaults) as server, httpx.Client(base_url=server.url) as c:
+        assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+        p = server.engine.params
+        assert (p.temperature, p.top_k, p.repetition_penalty, p.max_tokens, p.top_p) == (0.3, 20, 1.05, 7, 1.0)
+        assert c.post("/v1/chat/completions", json=chat_body(temperature=0, top_k=-1, max_tokens=3)).status_code == 200
+        p = server.engine.params
+        assert (p.temperature, p.top_k, p.repetition_penalty, p.max_tokens) == (0, 0, 1.05, 3)
+
+
 def test_chat_stream_format(client):
     with client.stream("POST", "/v1/chat/completions",
                        json=chat_body(stream=True, stream_options={"include_usage": True})) as r:

@@ -178,12 +178,13 @@ class SayEngine(FakeEngine):
     def __init__(self):
         super().__init__(max_model_len=4096, tokens_per_step=4)
         self.tokenizer = QwenTemplateBytes()
-        self.say, self.prompts = "", []
+        self.say, self.prompts, self.params = "", [], []
 
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         super().add_request(request_id, prompt_token_ids, params)
         self.waiting[-1]["answer"] = list(self.say.encode()) + [EOS]
         self.prompts.append(self.tokenizer.decode(prompt_token_ids))
+        self.params.append(params)
 
 
 @pytest.fixture(scope="module")
@@ -271,10 +272,15 @@ def test_no_call_is_plain_content(client, live):
 
 @pytest.mark.parametrize("tool_choice", ["none", "auto", "required",
                                          {"type": "function", "function": {"name": "get_weather"}}])
-def test_tool_choice(client, live, tool_choice):
-    """"none": the tools are in the prompt (as vLLM does) and nothing is parsed; "required" and a named function
-    are parsed as "auto" (nothing constrains the model yet)."""
-    body = chat(client, live, REAL["weather"]["text"], tools=[WEATHER], tool_choice=tool_choice)
+def test_tool_choice(client, live, tool_choice, monkeypatch):
+    """"none": the tools are in the prompt (as vLLM does) and nothing is parsed; "auto": parsed; "required" and
+    a named function: parsed, and the engine gets a response format that makes the answer a call (the fake
+    engine ignores it: the real model's enforcement is in test_server_real)."""
+    import specdec.server.app as app_module
+
+    compiled = []
+    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: compiled.append(rf))
+    body = chat(client, live, REAL["weather"]["text"], tools=[WEATHER, MULTIPLY], tool_choice=tool_choice)
     assert "get_weather" in live.engine.prompts[-1]
     (choice,) = body["choices"]
     if tool_choice == "none":
@@ -282,6 +288,25 @@ def test_tool_choice(client, live, tool_choice):
         assert choice["finish_reason"] == "stop"
     else:
         assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    rf = live.engine.params[-1].response_format
+    if tool_choice in ("none", "auto"):
+        assert rf is None and not compiled
+        return
+    assert compiled == [rf]
+    schema = rf["json_schema"]["schema"]
+    if tool_choice == "required":  # a list of one or more calls of any declared function
+        assert schema["type"] == "array" and schema["minItems"] == 1
+        names = [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]]
+        assert names == ["get_weather", "multiply"]
+        assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    else:  # one call of the named function
+        assert schema["properties"]["name"] == {"const": "get_weather"} and schema["required"] == ["name", "arguments"]
+
+
+def test_a_required_call_with_a_response_format_is_refused(client, live):
+    r = client.post("/v1/chat/completions", json={"messages": PARIS, "tools": [WEATHER], "tool_choice": "required",
+                                                  "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
 def test_round_trip_with_the_openai_client(live):

@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -52,14 +53,16 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: ServerMetrics | None = None,
     model_root: str | None = None,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
-    `api_key` protects /v1/*; /health, /version and /metrics stay open, as in vLLM."""
+    `api_key` protects /v1/*; /health, /version and /metrics stay open, as in vLLM. `sampling_defaults`
+    (`--generation-config`) are the values of sampling parameters that requests leave out."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
-    server = _Server(engine_client, names, metrics)
+    server = _Server(engine_client, names, metrics, sampling_defaults or {})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -141,8 +144,8 @@ def build_app(
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics):
-        self.engine, self.names, self.metrics = engine, names, metrics
+    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, defaults: dict[str, Any]):
+        self.engine, self.names, self.metrics, self.defaults = engine, names, metrics, defaults
         self.started = time.time()
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
@@ -150,7 +153,8 @@ class _Server:
         tool_parser = req.tool_parser()
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
                                              req.template_tools())
-        params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs())
+        params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs(),
+                                    response_format=req.tool_call_format())
         request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages")
         return await self._answer(req, request, ChatRenderer, tool_parser=tool_parser)
 
@@ -202,7 +206,8 @@ class _Server:
             raise error
 
     async def _params(self, req, limit: int | None, prompt_ids: list[list[int]], prompt_param: str,
-                      logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                      logprobs: int | None = None, prompt_logprobs: int | None = None,
+                      response_format: dict | None = None) -> SamplingParams:
         """SamplingParams, once every prompt and the requested completion are known to fit the context.
         Without a limit the completion may take the rest of the context (vLLM's default for chat). A grammar
         (response_format) is compiled here, off the engine's thread, and refused here if it is invalid."""
@@ -219,7 +224,9 @@ class _Server:
                                     f"{prompt_len + limit} tokens ({prompt_len} in the {prompt_param}, {limit} in the "
                                     f"completion): at most {context - prompt_len} completion tokens fit after this "
                                     f"{prompt_param}.", param=prompt_param, code="context_length_exceeded")
-        fields = req.sampling_fields()
+        fields = req.sampling_fields(self.defaults)
+        if response_format is not None:
+            fields["response_format"] = response_format
         vocab = self.engine.vocab_size
         for name, ids in (("logit_bias", list(fields["logit_bias"])), ("stop_token_ids", fields["stop_token_ids"])):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -227,10 +234,9 @@ class _Server:
                 raise APIError(400, f"token id {bad} in {name} is outside the vocabulary [0, {vocab})", param=name,
                                code="invalid_value")
         try:
+            if limit is None and "max_new_tokens" in self.defaults:
+                limit = min(self.defaults["max_new_tokens"], context - max(len(ids) for ids in prompt_ids))
             params = SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
                 max_tokens=limit if limit is not None else context - max(len(ids) for ids in prompt_ids),
                 seed=req.seed,
                 stop=req.stop_sequences(),

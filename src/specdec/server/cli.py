@@ -72,7 +72,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="accepted for vLLM's command lines; specdec never runs a model's code")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="accepted for vLLM's command lines; specdec always runs eagerly")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="default sampling parameters: 'auto' reads the model folder's generation_config.json "
+                             "(a GGUF file has none), a FOLDER reads its own, 'vllm' uses none (as in vLLM)")
+    parser.add_argument("--override-generation-config", default=None, metavar="JSON",
+                        help="default sampling parameters set on top, e.g. '{\"temperature\": 0.5}'")
     return parser
+
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def generation_defaults(args: argparse.Namespace, model_path: str | Path) -> dict[str, Any]:
+    """The defaults requests take for the sampling parameters they leave out (vLLM's --generation-config):
+    the keys of GENERATION_DEFAULTS found in generation_config.json, then --override-generation-config.
+    Example: Qwen2.5's folder gives {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}."""
+    found: dict[str, Any] = {}
+    if args.generation_config != "vllm":
+        folder = Path(model_path) if args.generation_config == "auto" else Path(args.generation_config).expanduser()
+        config = folder / "generation_config.json" if folder.is_dir() else None
+        if args.generation_config not in ("auto", "vllm") and (config is None or not config.is_file()):
+            raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json there")
+        if config is not None and config.is_file():
+            found = json.loads(config.read_text())
+    if args.override_generation_config:
+        try:
+            override = json.loads(args.override_generation_config)
+        except json.JSONDecodeError:
+            override = None
+        if not isinstance(override, dict):
+            raise ValueError("--override-generation-config must be a JSON object")
+        unknown = sorted(set(override) - set(GENERATION_DEFAULTS))
+        if unknown:
+            raise ValueError(f"--override-generation-config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(GENERATION_DEFAULTS)}")
+        found = {**found, **override}
+    return {k: found[k] for k in GENERATION_DEFAULTS if found.get(k) is not None}
 
 
 def check_vllm_flags(args: argparse.Namespace) -> None:
@@ -106,14 +141,15 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         check_vllm_flags(args)
         llm = load_for_serving(args, target, draft)
+        defaults = generation_defaults(args, getattr(llm, "target_path", target))
     except (ValueError, LookupError, FileNotFoundError, NotImplementedError, MemoryBudgetError) as e:
         print(f"specdec serve: {e}", file=sys.stderr)
         return 2
     names = args.served_model_name or [target]
-    _print_startup(llm.describe(), llm.memory_plan.report(), names, args)
+    _print_startup(llm.describe(), llm.memory_plan.report(), names, args, defaults)
     if args.dry_run:
         return 0
-    return _serve(llm, names, args)
+    return _serve(llm, names, args, defaults)
 
 
 def load_for_serving(args: argparse.Namespace, target: str, draft: str | None):
@@ -157,7 +193,7 @@ def _pull_if_needed(name_or_path: str) -> None:
         pull(name_or_path)
 
 
-def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
+def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: dict[str, Any] | None = None) -> int:
     """The engine loop in the main thread, the HTTP server (uvicorn) in another (see `AsyncEngine.run`).
     SIGTERM/SIGINT abort the requests in flight at once (their streams end with an error event), so that
     uvicorn's graceful shutdown, which waits for open responses, does not wait for whole generations; a
@@ -168,7 +204,8 @@ def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
     from specdec.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
-    app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])))
+    app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])),
+                    sampling_defaults=sampling_defaults)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)  # outside the main thread uvicorn leaves the signals alone
@@ -198,7 +235,8 @@ def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], args: argparse.Namespace) -> None:
+def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], args: argparse.Namespace,
+                   defaults: dict[str, Any]) -> None:
     spec = info.get("speculative")
     print(f"specdec serve: target {info.get('model')} ({info.get('model_path')})")
     print(f"  device {info.get('device')}, dtype {info.get('dtype')}, max_model_len {info.get('max_model_len')}")
@@ -209,6 +247,9 @@ def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], a
         print("  speculation: off")
     print("\n".join(f"  {line}" for line in memory_report.splitlines()))
     print(f"  served model name: {', '.join(names)}" + ("; API key required" if args.api_key else ""))
+    if defaults:
+        print(f"  default sampling parameters ({args.generation_config}): "
+              + ", ".join(f"{k}={v}" for k, v in defaults.items()))
     if args.max_waiting_requests is not None:
         print(f"  at most {args.max_waiting_requests} requests wait for a free slot; more are answered 503")
     print(f"  OpenAI API at http://{_url_host(args.host)}:{args.port}/v1", flush=True)

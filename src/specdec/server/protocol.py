@@ -200,17 +200,25 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None  # vLLM extension
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or a "json_schema"
 
-    def sampling_fields(self) -> dict[str, Any]:
-        """The SamplingParams fields these requests share (validated there too)."""
+    def sampling_fields(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The SamplingParams fields these requests share (validated there too); `defaults` (the server's
+        --generation-config) fill temperature, top_p, top_k, min_p and repetition_penalty left out."""
+        defaults = defaults or {}
+
+        def given(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, neutral)
+
         try:
             bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value") from None
         rf = self.response_format
         return dict(
+            temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=bias, min_tokens=self.min_tokens or 0, min_p=self.min_p or 0.0,
+            repetition_penalty=given("repetition_penalty", 1.0),
+            logit_bias=bias, min_tokens=self.min_tokens or 0, min_p=given("min_p", 0.0),
             stop_token_ids=tuple(self.stop_token_ids or ()), n=self.num_sequences()[0],
             best_of=self.num_sequences()[1],
             response_format=None if rf is None or rf.get("type") == "text" else rf,
@@ -270,14 +278,38 @@ class ChatCompletionRequest(_SamplingRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
+    def tool_call_format(self) -> dict[str, Any] | None:
+        """For `tool_choice` "required" or a named function: the response format that makes the answer a call,
+        as JSON the parser reads as one: `{"name": ..., "arguments": {...}}` with the function's parameters
+        schema (a list of one or more such calls for "required" when parallel calls are allowed, as in vLLM).
+        None otherwise. A 400 if `response_format` is also set: the two would contradict."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return None
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format cannot be combined with a required tool call", param="response_format",
+                           code="invalid_value")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+        def call(tool: Tool) -> dict[str, Any]:
+            parameters = tool.function.parameters or {"type": "object"}
+            return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+                    "required": ["name", "arguments"], "additionalProperties": False}
+
+        calls = [call(t) for t in self.tools or () if named is None or t.function.name == named]
+        schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if named is None and self.parallel_tool_calls is not False:
+            schema = {"type": "array", "items": schema, "minItems": 1}
+        return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools for the template, with the fields the client set (none added as nulls), or None."""
         return [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None
 
     def tool_parser(self) -> ToolCallParser | None:
         """The parser of the answer's tool calls; None without tools or with `tool_choice: "none"` (the tools
-        are still in the prompt, as in vLLM). `"required"` and a named function are parsed as `"auto"` is:
-        nothing makes the model call. A 400 for a `tool_choice` without tools or naming no declared tool."""
+        are still in the prompt, as in vLLM). A 400 for a `tool_choice` without tools or naming no declared
+        tool. `"required"` and a named function are also enforced by a grammar (`tool_call_format`)."""
         names = tuple(t.function.name for t in self.tools or ())
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
