@@ -25,6 +25,7 @@ class Seq:
     row: int = 0
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0))
     generator: torch.Generator = field(default_factory=lambda: make_generator(0))
+    matcher: object = None
 
 
 # ------------------------------------------------------------------------------------------- n-gram

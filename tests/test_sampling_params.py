@@ -351,15 +351,32 @@ def test_constrained_greedy_output_is_plain_constrained_decoding_under_speculati
         assert 0 < out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
 
 
-def test_constrained_sampling_with_a_grammar_blind_draft_model_stays_in_the_schema(byte_level):
+def test_a_draft_model_drafts_under_the_grammar_too(byte_level):
+    """The draft model masks its own logits in the grammar state of its drafted path: without that it almost
+    never agreed with the constrained target (0-1 of ~240 drafted tokens); with it, 30 of 124 here."""
     tokenizer, model, draft_model = byte_level
     prompt = tokenizer.encode("Answer in JSON: the answer is")
     rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    p = SamplingParams(temperature=0, max_tokens=80, response_format=rf)
+    plain_out = run(Engine(model, tokenizer, max_model_len=MAX_LEN), [("r", prompt, p)])["r"]
+    out = run(Engine(model, tokenizer, DraftModelProposer(draft_model, 1, MAX_LEN), 4, max_model_len=MAX_LEN),
+              [("r", prompt, p)])["r"]
+    assert out.token_ids == plain_out.token_ids
+    assert out.metrics.num_accepted_tokens >= 10, out.metrics
+
+
+def test_constrained_sampling_with_a_draft_model_stays_in_the_schema(byte_level):
+    tokenizer, model, draft_model = byte_level
+    prompt = tokenizer.encode("Answer in JSON: the answer is")
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    accepted = 0
     for seed in range(3):
         p = SamplingParams(temperature=0.9, seed=seed, max_tokens=100, response_format=rf)
         out = run(Engine(model, tokenizer, DraftModelProposer(draft_model, 1, MAX_LEN), 4, max_model_len=MAX_LEN),
                   [("r", prompt, p)])["r"]
         assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"ok", "n", "tag"}, out.text
+        accepted += out.metrics.num_accepted_tokens
+    assert accepted > 0
 
 
 def test_a_bad_response_format_is_refused_when_the_request_is_added(byte_level):

@@ -38,6 +38,7 @@ class SequenceLike(Protocol):
     row: int  # cache row of the sequence in this batch
     params: "object"  # SamplingParams
     generator: torch.Generator
+    matcher: "object | None"  # GrammarMatcher: the grammar state of the committed tokens (structured output)
 
 
 class Proposer(Protocol):
@@ -165,8 +166,13 @@ class DraftModelProposer:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _pick(self, seq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The draft's token for `seq` from logits [V]: argmax when greedy, else a seeded draw."""
+    def _pick(self, seq, logits: torch.Tensor, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The draft's token for `seq` from logits [V]: argmax when greedy, else a seeded draw. Under a grammar
+        the logits are masked in the state after the `drafted` tokens: the draft proposes only what the
+        grammar allows (its distribution, as reported for rejection sampling, is the masked one)."""
+        if seq.matcher is not None:
+            masks, _ = seq.matcher.masks_along(drafted)
+            logits = logits.float().masked_fill(~masks[-1].to(logits.device), float("-inf"))
         if seq.params.greedy:
             return int(logits.argmax()), None
         probs = process_logits(logits[None], seq.params)[0]
@@ -204,7 +210,7 @@ class DraftModelProposer:
                 if step < ks[b]:  # a row with its ks[b] tokens rides along uncommitted (no cache growth)
                     if step > 0:
                         self.cache.advance(seq.row, 1)
-                    token, p = self._pick(seq, logits[b, last[b]])
+                    token, p = self._pick(seq, logits[b, last[b]], tokens[b])
                     tokens[b].append(token)
                     if p is not None:
                         probs[b].append(p)
