@@ -163,17 +163,31 @@ def test_trees_run_to_the_very_end_of_the_context(trained, method):
     assert len(PROMPTS[0]) + len(finals["a"].token_ids) == max_len
 
 
+PROCESSED = {
+    "penalties and bias": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
+                                         frequency_penalty=1.2, presence_penalty=0.8, logit_bias={5: 3.0, 17: 2.0}),
+    "stop tokens, min_tokens, logprobs": SamplingParams(temperature=0, max_tokens=40, min_tokens=6,
+                                                        stop_token_ids=[47, 74, 91], logprobs=2),
+}
+
+
+@pytest.mark.parametrize("name", list(PROCESSED))
 @pytest.mark.parametrize("tree", ["chain", "wide tree", "dynamic tree"])
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_penalties_and_logit_bias_over_tree_drafts_equal_plain(trained, method, tree):
-    """Each tree node is judged with the penalties counting the drafted tokens on its own path."""
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
-                            frequency_penalty=1.2, presence_penalty=0.8, logit_bias={5: 3.0, 17: 2.0})
+def test_processed_logits_over_tree_drafts_equal_plain(trained, method, tree, name):
+    """Each tree node is judged with the history on its own path (penalties, min_tokens); the logprobs of
+    the emitted tokens are those of the rows that judged them."""
+    params = PROCESSED[name]
     accepted = 0
     for i, prompt in enumerate(PROMPTS):
         engine = make_engine(trained, method, "fp32", 3, TREES[tree])
         out = run(engine, [(f"r{i}", prompt, params)])[f"r{i}"]
-        assert out.token_ids == plain("fp32", prompt, params), (method, tree, i)
-        assert out.token_ids != plain("fp32", prompt), "the parameters change the output"
+        ref = run(Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN), [("r", prompt, params)])["r"]
+        assert out.token_ids == ref.token_ids, (method, tree, i)
+        if params.logprobs is not None:
+            assert [(e.token_id, e.rank) for e in out.logprobs] == [(e.token_id, e.rank) for e in ref.logprobs]
+            assert [e.logprob for e in out.logprobs] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
         accepted += out.metrics.num_accepted_tokens
     assert accepted > 0
+    assert any(plain("fp32", prompt, params) != plain("fp32", prompt) for prompt in PROMPTS), \
+        "the parameters change the output"

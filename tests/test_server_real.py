@@ -32,10 +32,11 @@ N = 16  # max_tokens of the comparisons
 
 
 def serve_command(port: int) -> list[str]:
-    """`python -m specdec serve` on the default pair, with K fixed at 5 so that every step drafts: the
-    exactness checks then exercise the speculative path throughout (adaptive K may switch drafting off on
-    a slow CPU)."""
-    return [sys.executable, "-m", "specdec", "serve", "--port", str(port), "--num-speculative-tokens", "5"]
+    """The seed's own command (vLLM's flags) on the default pair, with K fixed at 5 so that every step drafts:
+    the exactness checks then exercise the speculative path throughout (adaptive K may switch drafting off
+    on a slow CPU)."""
+    return [sys.executable, "-m", "specdec", "serve", TARGET, "--speculative-model", "qwen2.5-coder-0.5b-instruct",
+            "--num-speculative-tokens", "5", "--gpu-memory-utilization", "0.95", "--port", str(port)]
 
 
 def free_port() -> int:
