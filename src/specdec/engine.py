@@ -10,10 +10,18 @@ Invariant: the target cache holds every token of a sequence but the last; a step
 `[last, *draft]` (T = K + 1 tokens) and commits `1 + accepted` of them. Plain decoding is the same
 step with an empty draft. A tree draft is verified in the same pass with a tree mask, and its accepted
 path is gathered into place (`KVCache.commit`).
+
+A failure is contained to the sequence it concerns: an exception in a sequence's own part of a step
+(prefilling it, judging its draft, appending, detokenizing, advancing its grammar) ends that sequence
+alone, with finish_reason "abort" and `RequestOutput.error`, while the rest of the batch goes on as if it
+had never been there. A draft the target pass cannot take (ids outside the vocabulary) is replaced by an
+empty one. Only the shared target pass and the proposer, where no one sequence can be blamed, fail the
+whole step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +38,8 @@ from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostMo
 from specdec.speculative.proposers import Draft, Proposer
 from specdec.speculative.tree import ancestor_mask, depths, greedy_accept_tree, tree_rejection_sample
 from specdec.structured import Grammar, GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +63,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
     matcher: GrammarMatcher | None = None  # with params.response_format: the grammar's state
+    error: str | None = None  # why the engine failed it (finish_reason "abort")
 
     @property
     def num_output(self) -> int:
@@ -100,6 +111,7 @@ class Engine:
         self.metrics = SpecMetrics()  # cumulative
         self.acceptance = AcceptanceEstimate()  # over all sequences: the prior of new ones
         self._aborted: set[str] = set()
+        self._failed: list[Sequence] = []  # failed in this step (`_isolated`), reported at its end
         self._sync = target.device.type == "cuda"
         self._needs_hidden = bool(getattr(proposer, "needs_hidden", False))
 
@@ -154,42 +166,82 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()
         self._prefill()
-        if not self.running:
-            return outputs
-        seqs = self.running
-        ks = self._choose_k(seqs)
+        if self.running:
+            outputs += self._decode(self.running)
+        outputs += [self._output(seq, []) for seq in self._failed]
+        self._failed.clear()
+        self._retire_finished()
+        return outputs
 
+    def _decode(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Propose, verify (one target pass for the batch), then for each sequence on its own: judge and
+        commit, append and report. A sequence whose own part raises is left out of what follows."""
+        ks = self._choose_k(seqs)
         t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, ks) if self.proposer is not None and max(ks) > 0 else \
             [Draft([]) for _ in seqs]
+        drafts = [self._verifiable(seq, draft) for seq, draft in zip(seqs, drafts)]
         t1 = self._now()
         target_logits, hidden = self._verify(seqs, drafts)  # [B, T, V], [B, T, H] or None
         t2 = self._now()
-        judged = [self._accept(seq, draft, target_logits[b]) for b, (seq, draft) in enumerate(zip(seqs, drafts))]
-        verdicts = [verdict for verdict, _ in judged]
-        # [last, *kept] in the pass: the slots to keep, and the rows that scored the emitted tokens
-        committed = [[0] + [1 + i for i in verdict.kept()] for verdict in verdicts]
-        for seq, slots in zip(seqs, committed):
-            self.cache.commit(seq.row, slots)
+        judged = [self._isolated(seq, self._judge, seq, draft, target_logits[b])
+                  for b, (seq, draft) in enumerate(zip(seqs, drafts))]
+        live = [b for b, j in enumerate(judged) if j is not None]
         if self.proposer is not None:
-            kept_hidden = None if hidden is None else [hidden[b, slots] for b, slots in enumerate(committed)]
-            self.proposer.observe(seqs, drafts, verdicts, kept_hidden)
-
+            kept_hidden = None if hidden is None else [hidden[b, judged[b][2]] for b in live]
+            self.proposer.observe([seqs[b] for b in live], [drafts[b] for b in live], [judged[b][0] for b in live],
+                                  kept_hidden)
         self._record_costs(seqs, drafts, t1 - t0, t2 - t1, max(ks))
-        decay = getattr(self.controller, "decay", 1.0)
-        for seq, draft, (verdict, logprobs), rows in zip(seqs, drafts, judged, committed):
-            new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
-            if logprobs is not None:
-                self._record_logprobs(seq, logprobs[rows[:len(new_ids)]], new_ids)
-            depth = draft.depth
-            seq.metrics.record_step(depth, verdict.num_accepted, len(new_ids))
-            seq.metrics.draft_time += (t1 - t0) / len(seqs)
-            seq.metrics.target_time += (t2 - t1) / len(seqs)
-            seq.estimate.update(depth, verdict.num_accepted, decay)
-            self.acceptance.update(depth, verdict.num_accepted, decay)
-            outputs.append(self._output(seq, new_ids))
-        self._retire_finished()
-        return outputs
+        times = ((t1 - t0) / len(seqs), (t2 - t1) / len(seqs))
+        emitted = [self._isolated(seqs[b], self._emit, seqs[b], drafts[b], *judged[b], times) for b in live]
+        return [out for out in emitted if out is not None]
+
+    def _judge(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor
+               ) -> tuple[Verdict, torch.Tensor | None, list[int]]:
+        """Accept or reject `draft` (target_logits [T, V]) and commit the kept slots of the pass: the verdict,
+        the log-probabilities of its rows (see `_accept`), and the pass rows `[last, *kept]` committed, which
+        scored the emitted tokens."""
+        verdict, logprobs = self._accept(seq, draft, target_logits)
+        slots = [0] + [1 + i for i in verdict.kept()]
+        self.cache.commit(seq.row, slots)
+        return verdict, logprobs, slots
+
+    def _emit(self, seq: Sequence, draft: Draft, verdict: Verdict, logprobs: torch.Tensor | None, rows: list[int],
+              times: tuple[float, float]) -> RequestOutput:
+        """Append the verdict's tokens to `seq` (stop rules applied), record them, and report its output."""
+        new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
+        if logprobs is not None:
+            self._record_logprobs(seq, logprobs[rows[:len(new_ids)]], new_ids)
+        depth, decay = draft.depth, getattr(self.controller, "decay", 1.0)
+        seq.metrics.record_step(depth, verdict.num_accepted, len(new_ids))
+        seq.metrics.draft_time += times[0]
+        seq.metrics.target_time += times[1]
+        seq.estimate.update(depth, verdict.num_accepted, decay)
+        self.acceptance.update(depth, verdict.num_accepted, decay)
+        return self._output(seq, new_ids)
+
+    def _isolated(self, seq: Sequence, fn, *args):
+        """`fn(*args)`, a part of the step that concerns `seq` alone; None if it raised: then `seq` fails
+        (finish_reason "abort", `error` set; reported and released at the end of the step) and the others
+        go on. Example: a NaN in one sequence's probabilities makes its draw raise; only it ends."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            logger.exception("request %s failed in the engine; the other requests go on", seq.request_id)
+            seq.finish_reason, seq.error = "abort", f"{type(e).__name__}: {e}"
+            self._failed.append(seq)
+            return None
+
+    def _verifiable(self, seq: Sequence, draft: Draft) -> Draft:
+        """`draft`, or an empty draft if the target pass cannot take it (an id outside the vocabulary, a tree
+        node whose parent is not an earlier node): one proposer row's fault must not fail the batch's pass."""
+        parents = draft.parents
+        if all(0 <= t < self.vocab_size for t in draft.tokens) and (parents is None or (
+                len(parents) == len(draft.tokens) and all(-1 <= p < i for i, p in enumerate(parents)))):
+            return draft
+        logger.error("request %s: dropped a draft the target cannot verify (tokens %s, parents %s)",
+                     seq.request_id, draft.tokens[:16], None if parents is None else parents[:16])
+        return Draft([])
 
     def _now(self) -> float:
         if self._sync:
@@ -331,6 +383,7 @@ class Engine:
             stop_reason=seq.stop_reason,
             metrics=seq.metrics,
             prompt_logprobs=seq.prompt_logprobs,
+            error=seq.error,
         )
         if seq.logprobs is not None:
             out.logprobs = seq.logprobs
@@ -364,7 +417,11 @@ class Engine:
                 self.prefilling.row = len(self.running)
                 self._free_row(self.prefilling.row)  # empty already (rows past the batch are freed); made sure
             seq = self.prefilling
-            budget -= self._prefill_chunk(seq, budget)
+            fed = self._isolated(seq, self._prefill_chunk, seq, budget)
+            if fed is None:
+                self._release(seq)
+                continue
+            budget -= fed
             if self.cache.lengths[seq.row] < len(seq.prompt_ids) - 1:
                 return  # the budget is spent
             self.prefilling = None

@@ -36,6 +36,15 @@ class EngineStoppedError(RuntimeError):
     """The engine thread is shutting down (or died); the request was not or will not be completed."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (the others went on); the details are in the server log."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"The engine failed while generating request {request_id}; the other requests were not "
+                         f"affected. The server log has the details under this request id.")
+        self.request_id = request_id
+
+
 class QueueFullError(RuntimeError):
     """`max_waiting_requests` requests already wait for a free batch slot; this one was not queued."""
 
@@ -247,7 +256,7 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            _send(target, _snapshot(out))
+            _send(target, _snapshot(out) if out.error is None else RequestFailedError(out.request_id))
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, target in list(self._streams.items()):
