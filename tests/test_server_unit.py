@@ -570,6 +570,19 @@ def test_metrics_count_errors(client):
     assert after[key] - before.get(key, 0) == 1
 
 
+def test_metric_labels_stay_bounded(client):
+    """Invented methods and paths count as "other": /metrics does not grow with what clients send."""
+    for i in range(30):
+        client.request(f"FOO{i}", f"/v1/invented{i}")
+        client.get(f"/nothing/{i}")
+    labels = {labels for name, labels in scrape(client) if name == "specdec:http_requests_total"}
+    methods = {dict(labels)["method"] for labels in labels}
+    paths = {dict(labels)["path"] for labels in labels}
+    assert methods <= {"GET", "POST", "other"} and "other" in methods
+    assert all(not p.startswith(("/v1/invented", "/nothing")) for p in paths) and "other" in paths
+    assert len(labels) < 40
+
+
 # ---- concurrency, disconnects, shutdown -----------------------------------------------------------------
 
 
