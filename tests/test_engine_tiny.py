@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from functools import lru_cache
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.stop_strings import StopStrings
 from specdec.server.async_engine import AsyncEngine, RequestFailedError
 from specdec.speculative.controller import CostModel
 from specdec.speculative.degraded import PermutedLogitsModel
@@ -231,6 +233,38 @@ def test_stop_string_across_steps(continuation):
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=stop))
     assert out.text == text[:4] and out.token_ids == continuation[:8]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_of_several_stop_strings_the_first_completed_wins(continuation, order):
+    """Two stop strings completed in the same pass: the text is cut at the one that ends first, whatever their
+    order in the request."""
+    text = "".join(letter(t) for t in continuation)
+    first, second = text[1:3], text[3:5]
+    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), 5, max_model_len=MAX_LEN)
+    out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=(second, first)[::order]))
+    assert (out.text, out.stop_reason, out.token_ids) == (text[:1], first, continuation[:3])
+
+
+def test_stop_strings_find_the_first_completed():
+    stops = StopStrings(("ab", "b", "cde", "e"))
+    assert stops.find("xxab", 0) == (2, "ab")  # "ab" and "b" end together: the longer began first
+    assert stops.find("xxab", 4) is None  # nothing new: nothing ends past 4
+    assert stops.find("xxcde", 4) == (2, "cde")  # begun before the new text
+    assert stops.find("ab", 1) == (0, "ab") and stops.longest == 3
+    with pytest.raises(ValueError):
+        StopStrings(("a", ""))
+
+
+def test_stop_string_checks_do_not_scale_with_their_number():
+    """100,000 stop strings: a check of a few new characters costs set lookups per distinct length, not a
+    scan of every string (the old scan: ~40 ms per token here; 1,000 checks now: ~6 ms)."""
+    many = StopStrings(tuple(f"{i:08d}" for i in range(100_000)))
+    text = "no stop string in here, " * 40
+    t0 = time.perf_counter()
+    for end in range(len(text) - 1000, len(text)):
+        assert many.find(text[:end], end - 1) is None
+    assert time.perf_counter() - t0 < 0.5
 
 
 # ------------------------------------------------------------------------------------------- greedy equivalence

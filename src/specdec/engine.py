@@ -36,6 +36,7 @@ from specdec.sampling import logprob_rows, make_generator, process_logits, proce
 from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
 from specdec.speculative.proposers import Draft, Proposer
+from specdec.stop_strings import StopStrings
 from specdec.speculative.tree import ancestor_mask, depths, greedy_accept_tree, tree_rejection_sample
 from specdec.structured import Grammar, GrammarMatcher
 
@@ -59,6 +60,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: EOS (unless ignored) and stop_token_ids
+    stops: StopStrings | None = None  # params.stop, ready to match
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
@@ -142,6 +144,7 @@ class Engine:
             start_time=time.perf_counter(),
             estimate=AcceptanceEstimate.with_prior(self.acceptance.rate),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            stops=StopStrings(params.stop) if params.stop else None,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             matcher=grammar.matcher() if grammar is not None else None,
@@ -344,32 +347,33 @@ class Engine:
             if token in self.eos_ids and not params.ignore_eos:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 break
+            start = len(seq.text)
             seq.text += seq.detokenizer.add([token])
             if token in seq.stop_ids:  # a stop_token_ids token: kept in the output (as in vLLM)
                 seq.finish_reason, seq.stop_reason = "stop", token
                 break
-            if params.stop and self._hit_stop_string(seq):
+            if seq.stops is not None and self._hit_stop_string(seq, start):
                 break
             if seq.num_output >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
                 seq.finish_reason = "length"
                 break
         if seq.finish_reason is not None and seq.stop_reason is None:
+            start = len(seq.text)
             seq.text += seq.detokenizer.flush()
-            if params.stop:
-                self._hit_stop_string(seq)
+            if seq.stops is not None:
+                self._hit_stop_string(seq, start)
         return added
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        # a stop string can only end inside the text added since the longest stop string ago
-        window = max(len(s) for s in seq.params.stop) + 16
-        tail_start = max(0, len(seq.text) - window)
-        for stop in seq.params.stop:
-            i = seq.text.find(stop, tail_start)
-            if i >= 0:
-                seq.text = seq.text[:i]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return True
-        return False
+    @staticmethod
+    def _hit_stop_string(seq: Sequence, start: int) -> bool:
+        """Whether a stop string ends in the text added from `start` on; if so, cut the text before it and stop.
+        Of several, the one completed first (see `StopStrings.find`)."""
+        hit = seq.stops.find(seq.text, start)
+        if hit is None:
+            return False
+        seq.text = seq.text[:hit[0]]
+        seq.finish_reason, seq.stop_reason = "stop", hit[1]
+        return True
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         out = RequestOutput(
@@ -391,8 +395,8 @@ class Engine:
         if seq.logprobs is not None or (seq.params.best_of or 1) > seq.params.n:
             out.cumulative_logprob = seq.cumulative_logprob
         end = len(seq.text)
-        if seq.finish_reason is None and seq.params.stop:  # hold back a tail that may yet begin a stop string
-            end = max(seq.emitted_chars, end - (max(len(s) for s in seq.params.stop) - 1))
+        if seq.finish_reason is None and seq.stops is not None:  # hold back a tail that may yet begin a stop string
+            end = max(seq.emitted_chars, end - (seq.stops.longest - 1))
         out.new_text = seq.text[seq.emitted_chars:end]
         seq.emitted_chars = end
         return out

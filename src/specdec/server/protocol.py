@@ -94,6 +94,8 @@ class ChatMessage(_Strict):
 
 INT64 = dict(ge=-(2**63), le=2**64 - 1)
 MAX_N = 16  # the most sequences (n, best_of) one request may ask for
+# stop strings per request, and characters per stop string (OpenAI allows 4 stop strings): generous, bounded
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 class _SamplingRequest(_Strict):
@@ -142,10 +144,14 @@ class _SamplingRequest(_Strict):
         return self.n or 1, None
 
     def stop_sequences(self) -> tuple[str, ...]:
+        """The stop strings: at most MAX_STOP_STRINGS, each of 1 to MAX_STOP_CHARS characters."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
             raise APIError(400, "Invalid value for stop: stop sequences must not be empty strings", param="stop",
                            code="invalid_value")
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"Invalid value for stop: at most {MAX_STOP_STRINGS} stop sequences of at most "
+                                f"{MAX_STOP_CHARS} characters each", param="stop", code="invalid_value")
         return tuple(stops)
 
     def unsupported_parameter(self) -> APIError | None:
