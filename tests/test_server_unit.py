@@ -528,6 +528,29 @@ def test_engine_failure_is_a_500_and_the_server_survives():
         assert c.get("/health").status_code == 200
 
 
+class CrashingTokenizer(ByteTokenizer):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if "CRASH" in text:
+            raise ZeroDivisionError("secret detail")
+        return super().encode(text)
+
+
+def test_an_unexpected_error_is_a_generic_500_with_an_id_in_the_log(caplog):
+    """A bug answering a request: the client gets a generic message and an id (also in X-Request-Id); the
+    exception itself goes only to the log, under that id."""
+    engine = FakeEngine()
+    engine.tokenizer = CrashingTokenizer()
+    with LiveServer(engine) as server, httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=chat_body("CRASH"))
+        error = assert_error(r, 500)
+        assert error["code"] == "internal_error" and error["type"] == "server_error"
+        error_id = r.headers["x-request-id"]
+        assert error_id in error["message"] and "secret" not in r.text and "ZeroDivision" not in r.text
+        assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+    (record,) = [rec for rec in caplog.records if error_id in rec.getMessage()]
+    assert record.exc_info[0] is ZeroDivisionError
+
+
 # ---- metrics --------------------------------------------------------------------------------------------
 
 

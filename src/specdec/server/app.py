@@ -80,11 +80,6 @@ def build_app(
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error_response(APIError(e.status_code, str(e.detail), code=None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
@@ -134,6 +129,7 @@ def build_app(
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     app.add_middleware(_CountAnswers, metrics=metrics, known_paths=known_paths)
+    app.add_middleware(_InternalErrors)
     return app
 
 
@@ -543,6 +539,37 @@ class _ApiKeyAuth:
                                  code="invalid_api_key")
                 return await _error_response(error)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _InternalErrors:
+    """A bug answering a request: the client gets a generic 500 with an id to quote (also in X-Request-Id), the
+    log the traceback under that id. Not re-raised (as Starlette's handler of Exception would, making the
+    server drop the connection), unless the response had begun: then only cutting it short is left."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            error_id = new_id("err")
+            logger.exception("internal error %s answering %s %s", error_id, scope["method"], scope["path"])
+            if started:
+                raise
+            error = APIError(500, f"The server had an error while processing your request. Quote {error_id} to "
+                                  f"its operator, whose log has the details.", code="internal_error",
+                             headers={"X-Request-Id": error_id})
+            await _error_response(error)(scope, receive, send)
 
 
 class _CountAnswers:

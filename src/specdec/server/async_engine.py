@@ -241,9 +241,10 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; aborting the requests in flight")
-            self._fail_all(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
+        except Exception:
+            logger.exception("engine step failed; aborting the requests in flight: %s", ", ".join(self._streams))
+            self._fail_all(RuntimeError("The engine failed and aborted every request in flight, this one included; "
+                                        "the server log has the details."))
             return
         for listener in self._listeners:
             try:
