@@ -308,6 +308,18 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(client):
     assert r.status_code == 200, r.text
 
 
+def test_fields_that_do_not_change_the_output_are_accepted(client):
+    """OpenAI's `name` on messages, `user`, `store`, `metadata` and `service_tier`: accepted, same answer."""
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "be brief", "name": "ops"},
+                                         {"role": "user", "content": "hi", "name": "alice"}],
+            "user": "u-1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == reply_for("<system>be brief\n<user>hi\n<assistant>")
+    r = client.post("/tokenize", json={"messages": body["messages"]})
+    assert r.status_code == 200 and r.json()["count"] == len(b"<system>be brief\n<user>hi\n<assistant>")
+
+
 def test_n_choices_and_several_prompts(client):
     r = client.post("/v1/chat/completions", json=chat_body(n=3, max_tokens=5))
     assert r.status_code == 200, r.text

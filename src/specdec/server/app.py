@@ -33,7 +33,7 @@ from specdec.sampling import fan_out, pick_best
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
-    APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer, DetokenizeRequest, Renderer,
+    APIError, ChatCompletionRequest, ChatMessage, ChatRenderer, CompletionRequest, CompletionRenderer, DetokenizeRequest, Renderer,
     TokenizeRequest, new_id, validation_error,
 )
 from specdec.structured import Grammar
@@ -143,7 +143,7 @@ class _Server:
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
         self._check(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = _template_messages(req.messages)
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, messages)
         params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs())
         request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages")
@@ -163,7 +163,7 @@ class _Server:
             self._check(req)
         tokenizer = self.engine.tokenizer
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = _template_messages(req.messages)
             ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, messages, req.add_generation_prompt)
         else:
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
@@ -437,6 +437,12 @@ async def _disconnected(request: Request) -> None:
 
 
 # ---- tokenization (run in a worker thread) ------------------------------------------------------------
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """What the chat template reads of each message: its role, its text, and its name when it has one."""
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+            for m in messages]
 
 
 def _chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

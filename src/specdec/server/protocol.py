@@ -87,6 +87,7 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None  # a participant's name, given to the chat template (most ignore it)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # as vLLM
@@ -173,6 +174,10 @@ class _SamplingRequest(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # OpenAI's bookkeeping, no effect on the output: storing the completion, tags for it, the processing tier
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
