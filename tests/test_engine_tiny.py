@@ -468,8 +468,8 @@ def test_a_fault_in_one_sequence_ends_it_alone(fault, kind):
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, 4, max_model_len=MAX_LEN, max_batch_size=3,
                     prefill_chunk=3)
     inject(engine, fault)
-    requests = [("bad", BAD_PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))] + \
-        [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for rid, prompt, n, _ in BATCH_REQUESTS]
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    requests = [("bad", BAD_PROMPT, greedy(30))] + [(rid, prompt, greedy(n)) for rid, prompt, n, _ in BATCH_REQUESTS]
     finals = run(engine, requests, join_at=[1] + [at for *_, at in BATCH_REQUESTS])
     for rid, prompt, n, _ in BATCH_REQUESTS:
         assert tuple(finals[rid].token_ids) == plain("fp32", prompt, 40)[:n], f"request {rid}"

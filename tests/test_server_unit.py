@@ -54,6 +54,9 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
+    def fewest_tokens(self, text: str) -> int:
+        return len(text)  # a character is one to four bytes
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if messages[0]["role"] == "assistant":
             raise ValueError("Conversations must start with a user or system message")
@@ -561,6 +564,20 @@ def test_an_unexpected_error_is_a_generic_500_with_an_id_in_the_log(caplog):
         assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
     (record,) = [rec for rec in caplog.records if error_id in rec.getMessage()]
     assert record.exc_info[0] is ZeroDivisionError
+
+
+def test_a_prompt_certainly_too_long_is_refused_before_tokenizing():
+    engine = FakeEngine()
+    encoded = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, add_special_tokens=False: encoded.append(len(text)) or encode(text)
+    with LiveServer(engine) as server, httpx.Client(base_url=server.url, timeout=10) as c:
+        for path, body in (("/v1/completions", {"prompt": "x" * 3_000_000}),
+                           ("/v1/chat/completions", chat_body("é" * 1_000_000))):
+            error = assert_error(c.post(path, json=body), 400)
+            assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
+        assert encoded == []
+        assert c.post("/v1/completions", json={"prompt": "x" * 200, "max_tokens": 5}).status_code == 200
 
 
 # ---- metrics --------------------------------------------------------------------------------------------

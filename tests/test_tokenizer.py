@@ -162,6 +162,19 @@ def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path):
         Tokenizer.from_gguf(GGUFReader(tmp_path / "t.gguf"))
 
 
+@pytest.mark.parametrize("text", [
+    "x" * 1300, "<|im_start|>" * 50, "in the " * 100,
+    "\u1100\u1161\u11a8" * 100,  # Hangul jamo: NFC makes each three one syllable
+    "\u03b1\u0313\u0301\u0345" * 50,  # alpha and three marks: NFC makes each four one character
+    "def f(x): # 😀 ünïcödé\n\t<tool_call>" * 20,
+])
+def test_fewest_tokens_is_a_lower_bound(tiny, text):
+    assert tiny.longest_token_bytes == len("<|endoftext|>")
+    assert 0 < tiny.fewest_tokens(text) <= len(tiny.encode(text))
+    if text.isascii():
+        assert tiny.fewest_tokens(text) == -(-len(text) // 13)
+
+
 def test_incremental_detokenizer_holds_back_split_emoji(tiny):
     ids = tiny.encode("in 😀")  # the emoji is 4 one-byte tokens here
     detok = IncrementalDetokenizer(tiny)
