@@ -282,6 +282,14 @@ def test_completion_default_max_tokens_is_16_and_token_prompts(client):
         assert r.json()["choices"][0]["text"] == first_tokens(reply_for("abc"), 16)
 
 
+def test_chat_without_max_tokens_is_capped_by_default_max_tokens():
+    with LiveServer(FakeEngine(), default_max_tokens=5) as server, httpx.Client(base_url=server.url) as c:
+        body = c.post("/v1/chat/completions", json=chat_body()).json()
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+        body = c.post("/v1/chat/completions", json=chat_body(max_tokens=7)).json()
+        assert body["usage"]["completion_tokens"] == 7
+
+
 def test_stop_string(client):
     r = client.post("/v1/chat/completions", json=chat_body(stop=["You said", "never"])).json()
     assert r["choices"][0]["message"]["content"] == "Héllo 😀! "
@@ -853,13 +861,16 @@ def test_async_engine_counts_only_requests_waiting_for_a_slot(max_batch_size, li
     async_engine.shutdown()
 
 
-def test_max_waiting_requests_flag():
+def test_limits_are_bounded_by_default_and_flags_change_them():
     parser = add_serve_arguments(argparse.ArgumentParser())
-    assert parser.parse_args([]).max_waiting_requests is None
-    assert parser.parse_args(["--max-waiting-requests", "8"]).max_waiting_requests == 8
-    for bad in ("0", "-1", "x"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--max-waiting-requests", bad])
+    defaults = parser.parse_args([])
+    assert (defaults.max_waiting_requests, defaults.limit_concurrency, defaults.default_max_tokens) == (64, 256, 1024)
+    args = parser.parse_args(["--max-waiting-requests", "8", "--limit-concurrency", "9", "--default-max-tokens", "10"])
+    assert (args.max_waiting_requests, args.limit_concurrency, args.default_max_tokens) == (8, 9, 10)
+    for flag in ("--max-waiting-requests", "--limit-concurrency", "--default-max-tokens"):
+        for bad in ("0", "-1", "x"):
+            with pytest.raises(SystemExit):
+                parser.parse_args([flag, bad])
     with pytest.raises(ValueError, match=">= 1"):
         AsyncEngine(FakeEngine(), max_waiting_requests=0)
 

@@ -42,6 +42,7 @@ from specdec.structured import Grammar
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens (vLLM: the rest of the context; bounded here)
 QUEUE_FULL_RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue: a hint, the queue moves each step
 
 
@@ -53,14 +54,16 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: ServerMetrics | None = None,
     model_root: str | None = None,
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
-    `api_key` protects /v1/*; /health, /version and /metrics stay open, as in vLLM."""
+    `api_key` protects /v1/*; /health, /version and /metrics stay open, as in vLLM. A chat request without
+    max_tokens generates `default_max_tokens` tokens at most (fewer where the context has less room)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
-    server = _Server(engine_client, names, metrics)
+    server = _Server(engine_client, names, metrics, default_max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -138,8 +141,9 @@ def build_app(
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics):
+    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, default_max_tokens: int):
         self.engine, self.names, self.metrics = engine, names, metrics
+        self.default_max_tokens = default_max_tokens
         self.started = time.time()
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
@@ -202,7 +206,7 @@ class _Server:
     async def _params(self, req, limit: int | None, prompt_ids: list[list[int]], prompt_param: str,
                       logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams, once every prompt and the requested completion are known to fit the context.
-        Without a limit the completion may take the rest of the context (vLLM's default for chat). A grammar
+        Without a limit the completion takes `default_max_tokens` or the rest of the context if less. A grammar
         (response_format) is compiled here, off the engine's thread, and refused here if it is invalid."""
         context = self.engine.max_model_len
         for ids in prompt_ids:
@@ -229,7 +233,8 @@ class _Server:
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0,
-                max_tokens=limit if limit is not None else context - max(len(ids) for ids in prompt_ids),
+                max_tokens=limit if limit is not None else
+                min(self.default_max_tokens, context - max(len(ids) for ids in prompt_ids)),
                 seed=req.seed,
                 stop=req.stop_sequences(),
                 ignore_eos=req.ignore_eos,

@@ -17,8 +17,12 @@ from types import FrameType
 from typing import Any
 
 from specdec.config import QUANTIZATIONS
+from specdec.server.app import DEFAULT_CHAT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+# bounded by default, for a CPU deployment: requests queued for a batch slot, and open connections (uvicorn's
+# limit_concurrency: past it uvicorn answers 503 itself)
+DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_LIMIT_CONCURRENCY = 64, 256
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,9 +46,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
                         help="sequences decoded together in one batch (default 8; fewer if the memory "
                              "budget does not fit their KV cache)")
-    parser.add_argument("--max-waiting-requests", type=_positive, default=None, metavar="N",
+    parser.add_argument("--max-waiting-requests", type=_positive, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                         help="answer 503 (with Retry-After) to a request that finds N requests already waiting "
-                             "for a free batch slot (default: no limit); running requests are never affected")
+                             f"for a free batch slot (default {DEFAULT_MAX_WAITING_REQUESTS}); running requests are "
+                             "never affected")
+    parser.add_argument("--limit-concurrency", type=_positive, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                        help="open connections (and requests in progress) at most; past it the server answers "
+                             f"503 (default {DEFAULT_LIMIT_CONCURRENCY})")
+    parser.add_argument("--default-max-tokens", type=_positive, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
+                        help="completion tokens of a chat request that sets no max_tokens, at most (default "
+                             f"{DEFAULT_CHAT_MAX_TOKENS}; fewer if the context has less room; text completions "
+                             "default to 16, as OpenAI's)")
     parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                         help="stop speculating while more than N sequences run")
     parser.add_argument("--dry-run", action="store_true", help="load, print the memory breakdown and exit")
@@ -168,9 +180,11 @@ def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
     from specdec.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
-    app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])))
+    app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])),
+                    default_max_tokens=args.default_max_tokens)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)
+                            access_log=not args.disable_log_requests, timeout_graceful_shutdown=10,
+                            limit_concurrency=args.limit_concurrency)
     server = uvicorn.Server(config)  # outside the main thread uvicorn leaves the signals alone
 
     def serve_http() -> None:
@@ -209,8 +223,9 @@ def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], a
         print("  speculation: off")
     print("\n".join(f"  {line}" for line in memory_report.splitlines()))
     print(f"  served model name: {', '.join(names)}" + ("; API key required" if args.api_key else ""))
-    if args.max_waiting_requests is not None:
-        print(f"  at most {args.max_waiting_requests} requests wait for a free slot; more are answered 503")
+    print(f"  limits: {args.max_waiting_requests} requests waiting for a slot and {args.limit_concurrency} open "
+          f"connections (more are answered 503); chat completions without max_tokens: {args.default_max_tokens} "
+          f"tokens at most")
     print(f"  OpenAI API at http://{_url_host(args.host)}:{args.port}/v1", flush=True)
 
 
