@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -875,7 +876,7 @@ def test_limits_are_bounded_by_default_and_flags_change_them():
         AsyncEngine(FakeEngine(), max_waiting_requests=0)
 
 
-SIGTERM_SERVER = textwrap.dedent("""
+SERVER_PROCESS = textwrap.dedent("""
     import argparse, sys
     sys.path.insert(0, {tests!r})
     from test_server_unit import FakeEngine
@@ -884,33 +885,75 @@ SIGTERM_SERVER = textwrap.dedent("""
     class FakeLLM:
         engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
 
-    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--port", "{port}"])
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args({args!r})
     sys.exit(_serve(FakeLLM(), ["fake-model"], args))
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_aborts_in_flight_and_exits(sig):
+@contextlib.contextmanager
+def server_process(*flags: str):
+    """`_serve` (what `specdec serve` runs) over a FakeEngine (~2.5 s per chat answer) in a process of its
+    own: yields (process, url); its output must hold no traceback."""
     port = free_port()
-    code = SIGTERM_SERVER.format(tests=str(Path(__file__).parent), port=port)
+    code = SERVER_PROCESS.format(tests=str(Path(__file__).parent), args=["--port", str(port), *flags])
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _answers(url + "/health"), timeout=20)
-        with httpx.Client(base_url=url, timeout=10) as c, \
-                c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            proc.send_signal(sig)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:])
-        assert proc.wait(timeout=15) in (0, -sig)
+        yield proc, url
     finally:
         if proc.poll() is None:
             proc.kill()
         output = proc.communicate()[0].decode()
     assert "Traceback" not in output, output
+
+
+def streamed_events(lines) -> list[dict | str]:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_sigterm_drains_then_exits():
+    """SIGTERM mid-stream: /health and new requests are answered 503 at once, the stream in flight runs to
+    its end untouched, then the process exits 0."""
+    with server_process() as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
+            c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        proc.send_signal(signal.SIGTERM)
+        with httpx.Client(base_url=url, timeout=5) as other:
+            wait_until(lambda: other.get("/health").status_code == 503)
+            for body in (chat_body("new"), chat_body("new", stream=True)):
+                assert assert_error(other.post("/v1/chat/completions", json=body), 503)["code"] == "engine_unavailable"
+        events = streamed_events(lines)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == \
+            expected_chat_reply("long")  # the first event, read above, carried the role only
+        assert proc.wait(timeout=15) == 0
+
+
+def test_sigterm_cancels_what_outlasts_the_shutdown_timeout():
+    with server_process("--shutdown-timeout", "0.5") as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
+            c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        events = streamed_events(lines)
+        assert events[-1] == "[DONE]" and "shutdown timeout (0.5 s)" in events[-2]["error"]["message"]
+        assert time.time() - t0 < 2.0  # cancelled after 0.5 s, long before the answer's end
+        assert proc.wait(timeout=15) == 0
+
+
+def test_sigint_cancels_in_flight_at_once_and_exits():
+    with server_process() as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
+            c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        proc.send_signal(signal.SIGINT)
+        events = streamed_events(lines)
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        assert proc.wait(timeout=15) in (0, -signal.SIGINT)
 
 
 def _answers(url: str) -> bool:

@@ -112,7 +112,8 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine_client.healthy:
-            return _error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
+            return _error_response(APIError(503, "the engine is not running, or the server is shutting down",
+                                            code="engine_unavailable"))
         return Response(status_code=200)
 
     @app.get("/version")

@@ -23,6 +23,7 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 # bounded by default, for a CPU deployment: requests queued for a batch slot, and open connections (uvicorn's
 # limit_concurrency: past it uvicorn answers 503 itself)
 DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_LIMIT_CONCURRENCY = 64, 256
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds requests in flight get to finish after SIGTERM
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,6 +60,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "default to 16, as OpenAI's)")
     parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                         help="stop speculating while more than N sequences run")
+    parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
+                        help="on SIGTERM, take no new requests (503; /health answers 503) and give those in flight "
+                             f"S seconds to finish before cancelling them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); "
+                             "SIGINT, or a second SIGTERM, cancels them at once")
     parser.add_argument("--dry-run", action="store_true", help="load, print the memory breakdown and exit")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -171,9 +176,10 @@ def _pull_if_needed(name_or_path: str) -> None:
 
 def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
     """The engine loop in the main thread, the HTTP server (uvicorn) in another (see `AsyncEngine.run`).
-    SIGTERM/SIGINT abort the requests in flight at once (their streams end with an error event), so that
-    uvicorn's graceful shutdown, which waits for open responses, does not wait for whole generations; a
-    second SIGINT forces the exit."""
+    SIGTERM drains (`AsyncEngine.drain`): new requests and /health are answered 503 while the requests in
+    flight get `--shutdown-timeout` seconds to finish; then the rest are cancelled (their streams end with
+    an error event saying so), the engine loop ends, and uvicorn closes. SIGINT, or a second SIGTERM,
+    cancels the requests in flight at once; a second SIGINT forces the exit."""
     import uvicorn
 
     from specdec.server.app import build_app
@@ -194,11 +200,16 @@ def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
             engine.shutdown(timeout=0)
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not draining:
+            draining.append(sig)
+            engine.drain(args.shutdown_timeout)  # engine.run() returns once drained
+            return
         engine.shutdown(timeout=0)
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True
         server.should_exit = True
 
+    draining: list[int] = []
     handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     http = threading.Thread(target=serve_http, name="specdec-http")
     http.start()
@@ -225,7 +236,7 @@ def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], a
     print(f"  served model name: {', '.join(names)}" + ("; API key required" if args.api_key else ""))
     print(f"  limits: {args.max_waiting_requests} requests waiting for a slot and {args.limit_concurrency} open "
           f"connections (more are answered 503); chat completions without max_tokens: {args.default_max_tokens} "
-          f"tokens at most")
+          f"tokens at most; SIGTERM gives requests in flight {args.shutdown_timeout:g} s to finish")
     print(f"  OpenAI API at http://{_url_host(args.host)}:{args.port}/v1", flush=True)
 
 
@@ -237,6 +248,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
 
 
