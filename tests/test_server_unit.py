@@ -64,6 +64,12 @@ class ByteTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, special_text: bool = False):
+        return [(self.apply_chat_template(messages, add_generation_prompt), True)]  # no special tokens here
+
+    def encode_parts(self, parts) -> list[int]:
+        return [t for text, _ in parts for t in self.encode(text)]
+
 
 def reply_for(prompt_text: str) -> str:
     """What the fake model answers: non-ASCII on purpose (é is 2 bytes, 😀 is 4)."""
@@ -573,6 +579,21 @@ def test_an_unexpected_error_is_a_generic_500_with_an_id_in_the_log(caplog):
         assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
     (record,) = [rec for rec in caplog.records if error_id in rec.getMessage()]
     assert record.exc_info[0] is ZeroDivisionError
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_special_tokens_in_messages_setting_reaches_the_tokenizer(special):
+    """Chat and /tokenize render messages with special-token text plain by default (test_tokenizer.py checks
+    the tokenization itself), as it was with `--special-tokens-in-messages`."""
+    engine, seen = FakeEngine(), []
+    render = engine.tokenizer.render_chat
+    engine.tokenizer.render_chat = lambda m, gen=True, special_text=False: seen.append(special_text) or render(m, gen)
+    with LiveServer(engine, special_tokens_in_messages=special) as server, httpx.Client(base_url=server.url) as c:
+        assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+        assert c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert seen == [special, special]
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--special-tokens-in-messages"] * special)
+    assert args.special_tokens_in_messages is special
 
 
 def test_a_prompt_certainly_too_long_is_refused_before_tokenizing():

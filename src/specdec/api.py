@@ -210,10 +210,11 @@ class LLM:
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and complete it."""
+        """Apply the model's chat template to each conversation and complete it (special-token text in the
+        messages is plain text: see `Tokenizer.render_chat`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
-               for c in conversations]  # type: ignore[arg-type]
+        tok = self.tokenizer
+        ids = [tok.encode_parts(tok.render_chat(c)) for c in conversations]  # type: ignore[arg-type]
         return self._run(ids, sampling_params or SamplingParams())
 
     def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:

@@ -34,8 +34,8 @@ from specdec.sampling import fan_out, pick_best
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
-    APIError, ChatCompletionRequest, ChatMessage, ChatRenderer, CompletionRequest, CompletionRenderer, DetokenizeRequest,
-    Renderer, TokenizeRequest, new_id, validation_error,
+    APIError, ChatCompletionRequest, ChatMessage, ChatRenderer, CompletionRequest, CompletionRenderer,
+    DetokenizeRequest, Renderer, TokenizeRequest, new_id, validation_error,
 )
 from specdec.structured import Grammar
 
@@ -55,15 +55,17 @@ def build_app(
     metrics: ServerMetrics | None = None,
     model_root: str | None = None,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    special_tokens_in_messages: bool = False,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
     `api_key` protects /v1/*; /health, /version and /metrics stay open, as in vLLM. A chat request without
-    max_tokens generates `default_max_tokens` tokens at most (fewer where the context has less room)."""
+    max_tokens generates `default_max_tokens` tokens at most (fewer where the context has less room).
+    Special-token text in chat messages is tokenized as plain text unless `special_tokens_in_messages`."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
-    server = _Server(engine_client, names, metrics, default_max_tokens)
+    server = _Server(engine_client, names, metrics, default_max_tokens, special_tokens_in_messages)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,16 +144,17 @@ def build_app(
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, default_max_tokens: int):
+    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, default_max_tokens: int,
+                 special_text: bool):
         self.engine, self.names, self.metrics = engine, names, metrics
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens, self.special_text = default_max_tokens, special_text
         self.started = time.time()
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
         self._check(req)
         messages = _template_messages(req.messages)
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, messages,
-                                             context=self.engine.max_model_len)
+                                             context=self.engine.max_model_len, special_text=self.special_text)
         params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs())
         request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages")
         return await self._answer(req, request, ChatRenderer)
@@ -172,7 +175,8 @@ class _Server:
         tokenizer = self.engine.tokenizer
         if req.messages is not None:
             messages = _template_messages(req.messages)
-            ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, messages, req.add_generation_prompt)
+            ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, messages, req.add_generation_prompt,
+                                          special_text=self.special_text)
         else:
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
@@ -455,19 +459,23 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def _chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                     context: int | None = None) -> list[int]:
+                     context: int | None = None, special_text: bool = False) -> list[int]:
+    """The conversation's prompt ids; special-token text in the messages stays plain text unless
+    `special_text` (see `Tokenizer.render_chat`)."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        parts = tokenizer.render_chat(messages, add_generation_prompt, special_text)
     except Exception as e:  # the template refused the conversation (raise_exception), or there is none
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                        code="invalid_value") from None
-    return _encode(tokenizer, text, False, context, "messages")
+    _refuse_if_too_long(tokenizer, "".join(text for text, _ in parts), context, "messages")
+    return tokenizer.encode_parts(parts)
 
 
 def _completion_prompt_ids(tokenizer, prompt: str | list[int], param: str = "prompt", context: int | None = None
                            ) -> list[int]:
     if isinstance(prompt, str):
-        return _encode(tokenizer, prompt, True, context, param)
+        _refuse_if_too_long(tokenizer, prompt, context, param)
+        return tokenizer.encode(prompt, add_special_tokens=True)
     vocab = tokenizer.vocab_size
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:
@@ -476,16 +484,15 @@ def _completion_prompt_ids(tokenizer, prompt: str | list[int], param: str = "pro
     return list(prompt)
 
 
-def _encode(tokenizer, text: str, add_special_tokens: bool, context: int | None, param: str) -> list[int]:
-    """`tokenizer.encode`, unless `text` certainly does not fit the `context` (`Tokenizer.fewest_tokens`):
-    then refused at once, as the context check after tokenizing would refuse it (a 3 MB prompt took 3.6 s
-    to tokenize)."""
+def _refuse_if_too_long(tokenizer, text: str, context: int | None, param: str) -> None:
+    """Refuse, before tokenizing it, a `text` that certainly does not fit the `context`
+    (`Tokenizer.fewest_tokens`), as the context check after tokenizing would (a 3 MB prompt took 3.6 s to
+    tokenize)."""
     if context is not None and (at_least := tokenizer.fewest_tokens(text)) >= context:
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} has "
                             f"at least {at_least} tokens ({len(text)} characters): at most {context - 1} prompt "
                             f"tokens fit, leaving room for one completion token.", param=param,
                        code="context_length_exceeded")
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "default to 16, as OpenAI's)")
     parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                         help="stop speculating while more than N sequences run")
+    parser.add_argument("--special-tokens-in-messages", action="store_true",
+                        help="tokenize special-token text inside chat messages (e.g. `<|im_start|>`) as the control "
+                             "token it spells, as before; by default it is plain text, so that a user cannot open "
+                             "turns of other roles")
     parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
                         help="on SIGTERM, take no new requests (503; /health answers 503) and give those in flight "
                              f"S seconds to finish before cancelling them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); "
@@ -187,7 +191,8 @@ def _serve(llm, names: list[str], args: argparse.Namespace) -> int:
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
     app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])),
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens,
+                    special_tokens_in_messages=args.special_tokens_in_messages)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_log_requests, timeout_graceful_shutdown=10,
                             limit_concurrency=args.limit_concurrency)
