@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from specdec.config import MAX_TEMPERATURE
 from specdec.metrics import SpecMetrics
 from specdec.outputs import RequestOutput, TokenLogprob
 
@@ -72,7 +73,7 @@ def _param_name(loc: list) -> str | None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # NaN, Infinity, 1e999: refused
 
 
 class StreamOptions(_Strict):
@@ -104,7 +105,7 @@ class _SamplingRequest(_Strict):
 
     model: str | None = None  # optional, as in vLLM: the served model when absent
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM extension; 0 or -1 disables
     seed: int | None = Field(None, **INT64)
@@ -117,7 +118,7 @@ class _SamplingRequest(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM extension
+    repetition_penalty: float | None = Field(None, ge=0.01, le=2)  # vLLM extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = Field(None, ge=0)  # vLLM extension
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM extension
