@@ -36,8 +36,8 @@ from specdec.sampling import logprob_rows, make_generator, process_logits, proce
 from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
 from specdec.speculative.proposers import Draft, Proposer
-from specdec.stop_strings import StopStrings
 from specdec.speculative.tree import ancestor_mask, depths, greedy_accept_tree, tree_rejection_sample
+from specdec.stop_strings import StopStrings
 from specdec.structured import Grammar, GrammarMatcher
 
 logger = logging.getLogger(__name__)
