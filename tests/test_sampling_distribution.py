@@ -286,6 +286,8 @@ def test_process_logits_examples():
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))  # 0.5 + 0.3 reaches 0.8
     probs = process_logits(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), SamplingParams(top_p=0.81))
     assert torch.allclose(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    probs = process_logits(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), SamplingParams(top_p=5e-324))
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # a top_p below float32's range: the top token
     # top-k then top-p; rows are independent
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]))
     probs = process_logits(logits, SamplingParams(top_k=3, top_p=0.5))

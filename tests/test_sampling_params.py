@@ -227,6 +227,7 @@ def test_n_sequences_are_seeded_apart_and_best_of_keeps_the_likeliest():
     p = SamplingParams(temperature=1.0, max_tokens=8, seed=11, n=2, best_of=4, ignore_eos=True)
     children = fan_out(p)
     assert [c.seed for c in children] == [11, 12, 13, 14]
+    assert [c.seed for c in fan_out(SamplingParams(seed=2**64 - 2, n=3))] == [2**64 - 2, 2**64 - 1, 0]
     engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", max_batch_size=4), 3,
                     max_model_len=MAX_LEN, max_batch_size=4)
     finals = run(engine, [(f"s{i}", PROMPTS[2], c) for i, c in enumerate(children)])

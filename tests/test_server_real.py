@@ -282,7 +282,7 @@ def test_errors_then_normal_answers(url, client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=4, n=2)
+        client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=4, n=17)
     assert e.value.body["param"] == "n"
     r = httpx.post(url + "/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 4})
     error = r.json()["error"]

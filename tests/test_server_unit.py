@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -54,11 +55,21 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
+    def fewest_tokens(self, text: str) -> int:
+        return len(text)  # a character is one to four bytes
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         if messages[0]["role"] == "assistant":
             raise ValueError("Conversations must start with a user or system message")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, special_text: bool = False,
+                    tools=None):
+        return [(self.apply_chat_template(messages, add_generation_prompt, tools), True)]  # no special tokens here
+
+    def encode_parts(self, parts) -> list[int]:
+        return [t for text, _ in parts for t in self.encode(text)]
 
 
 def reply_for(prompt_text: str) -> str:
@@ -279,6 +290,14 @@ def test_completion_default_max_tokens_is_16_and_token_prompts(client):
         assert r.json()["choices"][0]["text"] == first_tokens(reply_for("abc"), 16)
 
 
+def test_chat_without_max_tokens_is_capped_by_default_max_tokens():
+    with LiveServer(FakeEngine(), default_max_tokens=5) as server, httpx.Client(base_url=server.url) as c:
+        body = c.post("/v1/chat/completions", json=chat_body()).json()
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+        body = c.post("/v1/chat/completions", json=chat_body(max_tokens=7)).json()
+        assert body["usage"]["completion_tokens"] == 7
+
+
 def test_stop_string(client):
     r = client.post("/v1/chat/completions", json=chat_body(stop=["You said", "never"])).json()
     assert r["choices"][0]["message"]["content"] == "Héllo 😀! "
@@ -306,6 +325,18 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(client):
     assert r.json()["usage"]["completion_tokens"] == 4  # max_completion_tokens applies
     r = client.post("/v1/completions", json={"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "n": 1})
     assert r.status_code == 200, r.text
+
+
+def test_fields_that_do_not_change_the_output_are_accepted(client):
+    """OpenAI's `name` on messages, `user`, `store`, `metadata` and `service_tier`: accepted, same answer."""
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "be brief", "name": "ops"},
+                                         {"role": "user", "content": "hi", "name": "alice"}],
+            "user": "u-1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == reply_for("<system>be brief\n<user>hi\n<assistant>")
+    r = client.post("/tokenize", json={"messages": body["messages"]})
+    assert r.status_code == 200 and r.json()["count"] == len(b"<system>be brief\n<user>hi\n<assistant>")
 
 
 def test_n_choices_and_several_prompts(client):
@@ -443,6 +474,8 @@ BAD_REQUESTS = [
     ("chat", chat_body(seed="x"), 400, "seed"),
     ("chat", chat_body(stop=3), 400, "stop"),
     ("chat", chat_body(stop=[""]), 400, "stop"),
+    ("chat", chat_body(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    ("chat", chat_body(stop="x" * 257), 400, "stop"),
     ("chat", chat_body(n=0), 400, "n"),
     ("chat", chat_body(n=17), 400, "n"),
     ("chat", chat_body(top_logprobs=3), 400, "top_logprobs"),  # without logprobs
@@ -453,6 +486,10 @@ BAD_REQUESTS = [
     ("chat", chat_body(presence_penalty=2.5), 400, "presence_penalty"),
     ("chat", chat_body(frequency_penalty=-3), 400, "frequency_penalty"),
     ("chat", chat_body(repetition_penalty=0), 400, "repetition_penalty"),
+    ("chat", chat_body(repetition_penalty=5e-324), 400, "repetition_penalty"),
+    ("chat", json.dumps(chat_body(temperature=float("inf"))).encode(), 400, "temperature"),  # Infinity
+    ("chat", chat_body(temperature=101), 400, "temperature"),
+    ("chat", json.dumps(chat_body(logit_bias={"5": float("nan")})).encode(), 400, "logit_bias"),  # NaN
     ("chat", chat_body(logit_bias={"fifty": 10}), 400, "logit_bias"),
     ("chat", chat_body(logit_bias={"9999": 10}), 400, "logit_bias"),  # outside the vocabulary
     ("chat", chat_body(stop_token_ids=[300]), 400, "stop_token_ids"),
@@ -542,6 +579,59 @@ def test_engine_failure_is_a_500_and_the_server_survives():
         assert c.get("/health").status_code == 200
 
 
+class CrashingTokenizer(ByteTokenizer):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if "CRASH" in text:
+            raise ZeroDivisionError("secret detail")
+        return super().encode(text)
+
+
+def test_an_unexpected_error_is_a_generic_500_with_an_id_in_the_log(caplog):
+    """A bug answering a request: the client gets a generic message and an id (also in X-Request-Id); the
+    exception itself goes only to the log, under that id."""
+    engine = FakeEngine()
+    engine.tokenizer = CrashingTokenizer()
+    with LiveServer(engine) as server, httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=chat_body("CRASH"))
+        error = assert_error(r, 500)
+        assert error["code"] == "internal_error" and error["type"] == "server_error"
+        error_id = r.headers["x-request-id"]
+        assert error_id in error["message"] and "secret" not in r.text and "ZeroDivision" not in r.text
+        assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+    (record,) = [rec for rec in caplog.records if error_id in rec.getMessage()]
+    assert record.exc_info[0] is ZeroDivisionError
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_special_tokens_in_messages_setting_reaches_the_tokenizer(special):
+    """Chat and /tokenize render messages with special-token text plain by default (test_tokenizer.py checks
+    the tokenization itself), as it was with `--special-tokens-in-messages`."""
+    engine, seen = FakeEngine(), []
+    render = engine.tokenizer.render_chat
+    engine.tokenizer.render_chat = lambda m, gen=True, special_text=False, tools=None: \
+        seen.append(special_text) or render(m, gen, tools=tools)
+    with LiveServer(engine, special_tokens_in_messages=special) as server, httpx.Client(base_url=server.url) as c:
+        assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+        assert c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert seen == [special, special]
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--special-tokens-in-messages"] * special)
+    assert args.special_tokens_in_messages is special
+
+
+def test_a_prompt_certainly_too_long_is_refused_before_tokenizing():
+    engine = FakeEngine()
+    encoded = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, add_special_tokens=False: encoded.append(len(text)) or encode(text)
+    with LiveServer(engine) as server, httpx.Client(base_url=server.url, timeout=10) as c:
+        for path, body in (("/v1/completions", {"prompt": "x" * 3_000_000}),
+                           ("/v1/chat/completions", chat_body("é" * 1_000_000))):
+            error = assert_error(c.post(path, json=body), 400)
+            assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
+        assert encoded == []
+        assert c.post("/v1/completions", json={"prompt": "x" * 200, "max_tokens": 5}).status_code == 200
+
+
 # ---- metrics --------------------------------------------------------------------------------------------
 
 
@@ -584,6 +674,19 @@ def test_metrics_count_errors(client):
     after = scrape(client)
     key = ("specdec:http_requests_total", (("method", "POST"), ("path", "/v1/chat/completions"), ("status", "400")))
     assert after[key] - before.get(key, 0) == 1
+
+
+def test_metric_labels_stay_bounded(client):
+    """Invented methods and paths count as "other": /metrics does not grow with what clients send."""
+    for i in range(30):
+        client.request(f"FOO{i}", f"/v1/invented{i}")
+        client.get(f"/nothing/{i}")
+    labels = {labels for name, labels in scrape(client) if name == "specdec:http_requests_total"}
+    methods = {dict(labels)["method"] for labels in labels}
+    paths = {dict(labels)["path"] for labels in labels}
+    assert methods <= {"GET", "POST", "other"} and "other" in methods
+    assert all(not p.startswith(("/v1/invented", "/nothing")) for p in paths) and "other" in paths
+    assert len(labels) < 40
 
 
 # ---- concurrency, disconnects, shutdown -----------------------------------------------------------------
@@ -802,18 +905,21 @@ def test_async_engine_counts_only_requests_waiting_for_a_slot(max_batch_size, li
     async_engine.shutdown()
 
 
-def test_max_waiting_requests_flag():
+def test_limits_are_bounded_by_default_and_flags_change_them():
     parser = add_serve_arguments(argparse.ArgumentParser())
-    assert parser.parse_args([]).max_waiting_requests is None
-    assert parser.parse_args(["--max-waiting-requests", "8"]).max_waiting_requests == 8
-    for bad in ("0", "-1", "x"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--max-waiting-requests", bad])
+    defaults = parser.parse_args([])
+    assert (defaults.max_waiting_requests, defaults.limit_concurrency, defaults.default_max_tokens) == (64, 256, 1024)
+    args = parser.parse_args(["--max-waiting-requests", "8", "--limit-concurrency", "9", "--default-max-tokens", "10"])
+    assert (args.max_waiting_requests, args.limit_concurrency, args.default_max_tokens) == (8, 9, 10)
+    for flag in ("--max-waiting-requests", "--limit-concurrency", "--default-max-tokens"):
+        for bad in ("0", "-1", "x"):
+            with pytest.raises(SystemExit):
+                parser.parse_args([flag, bad])
     with pytest.raises(ValueError, match=">= 1"):
         AsyncEngine(FakeEngine(), max_waiting_requests=0)
 
 
-SIGTERM_SERVER = textwrap.dedent("""
+SERVER_PROCESS = textwrap.dedent("""
     import argparse, sys
     sys.path.insert(0, {tests!r})
     from test_server_unit import FakeEngine
@@ -822,33 +928,75 @@ SIGTERM_SERVER = textwrap.dedent("""
     class FakeLLM:
         engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
 
-    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--port", "{port}"])
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args({args!r})
     sys.exit(_serve(FakeLLM(), ["fake-model"], args))
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_aborts_in_flight_and_exits(sig):
+@contextlib.contextmanager
+def server_process(*flags: str):
+    """`_serve` (what `specdec serve` runs) over a FakeEngine (~2.5 s per chat answer) in a process of its
+    own: yields (process, url); its output must hold no traceback."""
     port = free_port()
-    code = SIGTERM_SERVER.format(tests=str(Path(__file__).parent), port=port)
+    code = SERVER_PROCESS.format(tests=str(Path(__file__).parent), args=["--port", str(port), *flags])
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _answers(url + "/health"), timeout=20)
-        with httpx.Client(base_url=url, timeout=10) as c, \
-                c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            proc.send_signal(sig)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:])
-        assert proc.wait(timeout=15) in (0, -sig)
+        yield proc, url
     finally:
         if proc.poll() is None:
             proc.kill()
         output = proc.communicate()[0].decode()
     assert "Traceback" not in output, output
+
+
+def streamed_events(lines) -> list[dict | str]:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_sigterm_drains_then_exits():
+    """SIGTERM mid-stream: /health and new requests are answered 503 at once, the stream in flight runs to
+    its end untouched, then the process exits 0."""
+    with server_process() as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
+            c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        proc.send_signal(signal.SIGTERM)
+        with httpx.Client(base_url=url, timeout=5) as other:
+            wait_until(lambda: other.get("/health").status_code == 503)
+            for body in (chat_body("new"), chat_body("new", stream=True)):
+                assert assert_error(other.post("/v1/chat/completions", json=body), 503)["code"] == "engine_unavailable"
+        events = streamed_events(lines)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == \
+            expected_chat_reply("long")  # the first event, read above, carried the role only
+        assert proc.wait(timeout=15) == 0
+
+
+def test_sigterm_cancels_what_outlasts_the_shutdown_timeout():
+    with server_process("--shutdown-timeout", "0.5") as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
+            c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        events = streamed_events(lines)
+        assert events[-1] == "[DONE]" and "shutdown timeout (0.5 s)" in events[-2]["error"]["message"]
+        assert time.time() - t0 < 2.0  # cancelled after 0.5 s, long before the answer's end
+        assert proc.wait(timeout=15) == 0
+
+
+def test_sigint_cancels_in_flight_at_once_and_exits():
+    with server_process() as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
+            c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        proc.send_signal(signal.SIGINT)
+        events = streamed_events(lines)
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        assert proc.wait(timeout=15) in (0, -signal.SIGINT)
 
 
 def _answers(url: str) -> bool:

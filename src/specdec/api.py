@@ -214,10 +214,11 @@ class LLM:
         """Apply the model's chat template to each conversation and complete it. `tools`, OpenAI function tools
         (`[{"type": "function", "function": {"name", "description", "parameters"}}]`), go to the template as in
         vLLM's `LLM.chat`; the answer is the raw text (`specdec.server.tool_calls.ToolCallParser` finds its
-        calls). Messages go to the template as given: Qwen2.5's wants tool call `arguments` as dicts."""
+        calls). Messages go to the template as given: Qwen2.5's wants tool call `arguments` as dicts.
+        Special-token text in the messages is plain text (see `Tokenizer.render_chat`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tools=tools), add_special_tokens=False)
-               for c in conversations]  # type: ignore[arg-type]
+        tok = self.tokenizer
+        ids = [tok.encode_parts(tok.render_chat(c, tools=tools)) for c in conversations]  # type: ignore[arg-type]
         return self._run(ids, sampling_params or SamplingParams())
 
     def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:

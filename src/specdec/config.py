@@ -6,6 +6,7 @@ Components take only the fields they need; nothing here is mutated after constru
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,9 @@ class ModelConfig:
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by them overflows
+# the largest temperature (OpenAI allows 2): generous, while logits divided by it stay numbers (a float32
+# temperature of inf, from 1e39 on, turns masked logits into NaN)
+MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's top_logprobs limit)
 
 
@@ -153,12 +157,14 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        if any(math.isnan(b) for _, b in bias):
+            raise ValueError("logit_bias values must be numbers, not NaN")
         object.__setattr__(self, "logit_bias",
                            tuple(sorted((int(t), max(-100.0, min(100.0, float(b)))) for t, b in bias)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -172,8 +178,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 2:  # dividing logits by less may overflow them
+            raise ValueError(f"repetition_penalty must be in [0.01, 2], got {self.repetition_penalty}")
         if any(t < 0 for t in self.stop_token_ids) or any(t < 0 for t, _ in self.logit_bias):
             raise ValueError("token ids in stop_token_ids and logit_bias must be >= 0")
         for name in ("logprobs", "prompt_logprobs"):

@@ -10,10 +10,18 @@ Invariant: the target cache holds every token of a sequence but the last; a step
 `[last, *draft]` (T = K + 1 tokens) and commits `1 + accepted` of them. Plain decoding is the same
 step with an empty draft. A tree draft is verified in the same pass with a tree mask, and its accepted
 path is gathered into place (`KVCache.commit`).
+
+A failure is contained to the sequence it concerns: an exception in a sequence's own part of a step
+(prefilling it, judging its draft, appending, detokenizing, advancing its grammar) ends that sequence
+alone, with finish_reason "abort" and `RequestOutput.error`, while the rest of the batch goes on as if it
+had never been there. A draft the target pass cannot take (ids outside the vocabulary) is replaced by an
+empty one. Only the shared target pass and the proposer, where no one sequence can be blamed, fail the
+whole step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,7 +37,10 @@ from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sam
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
 from specdec.speculative.proposers import Draft, Proposer
 from specdec.speculative.tree import ancestor_mask, depths, greedy_accept_tree, tree_rejection_sample
+from specdec.stop_strings import StopStrings
 from specdec.structured import Grammar, GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,10 +60,12 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: EOS (unless ignored) and stop_token_ids
+    stops: StopStrings | None = None  # params.stop, ready to match
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
     matcher: GrammarMatcher | None = None  # with params.response_format: the grammar's state
+    error: str | None = None  # why the engine failed it (finish_reason "abort")
 
     @property
     def num_output(self) -> int:
@@ -100,6 +113,7 @@ class Engine:
         self.metrics = SpecMetrics()  # cumulative
         self.acceptance = AcceptanceEstimate()  # over all sequences: the prior of new ones
         self._aborted: set[str] = set()
+        self._failed: list[Sequence] = []  # failed in this step (`_isolated`), reported at its end
         self._sync = target.device.type == "cuda"
         self._needs_hidden = bool(getattr(proposer, "needs_hidden", False))
 
@@ -130,6 +144,7 @@ class Engine:
             start_time=time.perf_counter(),
             estimate=AcceptanceEstimate.with_prior(self.acceptance.rate),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            stops=StopStrings(params.stop) if params.stop else None,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             matcher=grammar.matcher() if grammar is not None else None,
@@ -154,42 +169,82 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()
         self._prefill()
-        if not self.running:
-            return outputs
-        seqs = self.running
-        ks = self._choose_k(seqs)
+        if self.running:
+            outputs += self._decode(self.running)
+        outputs += [self._output(seq, []) for seq in self._failed]
+        self._failed.clear()
+        self._retire_finished()
+        return outputs
 
+    def _decode(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Propose, verify (one target pass for the batch), then for each sequence on its own: judge and
+        commit, append and report. A sequence whose own part raises is left out of what follows."""
+        ks = self._choose_k(seqs)
         t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, ks) if self.proposer is not None and max(ks) > 0 else \
             [Draft([]) for _ in seqs]
+        drafts = [self._verifiable(seq, draft) for seq, draft in zip(seqs, drafts)]
         t1 = self._now()
         target_logits, hidden = self._verify(seqs, drafts)  # [B, T, V], [B, T, H] or None
         t2 = self._now()
-        judged = [self._accept(seq, draft, target_logits[b]) for b, (seq, draft) in enumerate(zip(seqs, drafts))]
-        verdicts = [verdict for verdict, _ in judged]
-        # [last, *kept] in the pass: the slots to keep, and the rows that scored the emitted tokens
-        committed = [[0] + [1 + i for i in verdict.kept()] for verdict in verdicts]
-        for seq, slots in zip(seqs, committed):
-            self.cache.commit(seq.row, slots)
+        judged = [self._isolated(seq, self._judge, seq, draft, target_logits[b])
+                  for b, (seq, draft) in enumerate(zip(seqs, drafts))]
+        live = [b for b, j in enumerate(judged) if j is not None]
         if self.proposer is not None:
-            kept_hidden = None if hidden is None else [hidden[b, slots] for b, slots in enumerate(committed)]
-            self.proposer.observe(seqs, drafts, verdicts, kept_hidden)
-
+            kept_hidden = None if hidden is None else [hidden[b, judged[b][2]] for b in live]
+            self.proposer.observe([seqs[b] for b in live], [drafts[b] for b in live], [judged[b][0] for b in live],
+                                  kept_hidden)
         self._record_costs(seqs, drafts, t1 - t0, t2 - t1, max(ks))
-        decay = getattr(self.controller, "decay", 1.0)
-        for seq, draft, (verdict, logprobs), rows in zip(seqs, drafts, judged, committed):
-            new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
-            if logprobs is not None:
-                self._record_logprobs(seq, logprobs[rows[:len(new_ids)]], new_ids)
-            depth = draft.depth
-            seq.metrics.record_step(depth, verdict.num_accepted, len(new_ids))
-            seq.metrics.draft_time += (t1 - t0) / len(seqs)
-            seq.metrics.target_time += (t2 - t1) / len(seqs)
-            seq.estimate.update(depth, verdict.num_accepted, decay)
-            self.acceptance.update(depth, verdict.num_accepted, decay)
-            outputs.append(self._output(seq, new_ids))
-        self._retire_finished()
-        return outputs
+        times = ((t1 - t0) / len(seqs), (t2 - t1) / len(seqs))
+        emitted = [self._isolated(seqs[b], self._emit, seqs[b], drafts[b], *judged[b], times) for b in live]
+        return [out for out in emitted if out is not None]
+
+    def _judge(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor
+               ) -> tuple[Verdict, torch.Tensor | None, list[int]]:
+        """Accept or reject `draft` (target_logits [T, V]) and commit the kept slots of the pass: the verdict,
+        the log-probabilities of its rows (see `_accept`), and the pass rows `[last, *kept]` committed, which
+        scored the emitted tokens."""
+        verdict, logprobs = self._accept(seq, draft, target_logits)
+        slots = [0] + [1 + i for i in verdict.kept()]
+        self.cache.commit(seq.row, slots)
+        return verdict, logprobs, slots
+
+    def _emit(self, seq: Sequence, draft: Draft, verdict: Verdict, logprobs: torch.Tensor | None, rows: list[int],
+              times: tuple[float, float]) -> RequestOutput:
+        """Append the verdict's tokens to `seq` (stop rules applied), record them, and report its output."""
+        new_ids = self._append(seq, verdict.output_tokens(draft.tokens))
+        if logprobs is not None:
+            self._record_logprobs(seq, logprobs[rows[:len(new_ids)]], new_ids)
+        depth, decay = draft.depth, getattr(self.controller, "decay", 1.0)
+        seq.metrics.record_step(depth, verdict.num_accepted, len(new_ids))
+        seq.metrics.draft_time += times[0]
+        seq.metrics.target_time += times[1]
+        seq.estimate.update(depth, verdict.num_accepted, decay)
+        self.acceptance.update(depth, verdict.num_accepted, decay)
+        return self._output(seq, new_ids)
+
+    def _isolated(self, seq: Sequence, fn, *args):
+        """`fn(*args)`, a part of the step that concerns `seq` alone; None if it raised: then `seq` fails
+        (finish_reason "abort", `error` set; reported and released at the end of the step) and the others
+        go on. Example: a NaN in one sequence's probabilities makes its draw raise; only it ends."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            logger.exception("request %s failed in the engine; the other requests go on", seq.request_id)
+            seq.finish_reason, seq.error = "abort", f"{type(e).__name__}: {e}"
+            self._failed.append(seq)
+            return None
+
+    def _verifiable(self, seq: Sequence, draft: Draft) -> Draft:
+        """`draft`, or an empty draft if the target pass cannot take it (an id outside the vocabulary, a tree
+        node whose parent is not an earlier node): one proposer row's fault must not fail the batch's pass."""
+        parents = draft.parents
+        if all(0 <= t < self.vocab_size for t in draft.tokens) and (parents is None or (
+                len(parents) == len(draft.tokens) and all(-1 <= p < i for i, p in enumerate(parents)))):
+            return draft
+        logger.error("request %s: dropped a draft the target cannot verify (tokens %s, parents %s)",
+                     seq.request_id, draft.tokens[:16], None if parents is None else parents[:16])
+        return Draft([])
 
     def _now(self) -> float:
         if self._sync:
@@ -292,32 +347,33 @@ class Engine:
             if token in self.eos_ids and not params.ignore_eos:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 break
+            start = len(seq.text)
             seq.text += seq.detokenizer.add([token])
             if token in seq.stop_ids:  # a stop_token_ids token: kept in the output (as in vLLM)
                 seq.finish_reason, seq.stop_reason = "stop", token
                 break
-            if params.stop and self._hit_stop_string(seq):
+            if seq.stops is not None and self._hit_stop_string(seq, start):
                 break
             if seq.num_output >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
                 seq.finish_reason = "length"
                 break
         if seq.finish_reason is not None and seq.stop_reason is None:
+            start = len(seq.text)
             seq.text += seq.detokenizer.flush()
-            if params.stop:
-                self._hit_stop_string(seq)
+            if seq.stops is not None:
+                self._hit_stop_string(seq, start)
         return added
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        # a stop string can only end inside the text added since the longest stop string ago
-        window = max(len(s) for s in seq.params.stop) + 16
-        tail_start = max(0, len(seq.text) - window)
-        for stop in seq.params.stop:
-            i = seq.text.find(stop, tail_start)
-            if i >= 0:
-                seq.text = seq.text[:i]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return True
-        return False
+    @staticmethod
+    def _hit_stop_string(seq: Sequence, start: int) -> bool:
+        """Whether a stop string ends in the text added from `start` on; if so, cut the text before it and stop.
+        Of several, the one completed first (see `StopStrings.find`)."""
+        hit = seq.stops.find(seq.text, start)
+        if hit is None:
+            return False
+        seq.text = seq.text[:hit[0]]
+        seq.finish_reason, seq.stop_reason = "stop", hit[1]
+        return True
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         out = RequestOutput(
@@ -331,6 +387,7 @@ class Engine:
             stop_reason=seq.stop_reason,
             metrics=seq.metrics,
             prompt_logprobs=seq.prompt_logprobs,
+            error=seq.error,
         )
         if seq.logprobs is not None:
             out.logprobs = seq.logprobs
@@ -338,8 +395,8 @@ class Engine:
         if seq.logprobs is not None or (seq.params.best_of or 1) > seq.params.n:
             out.cumulative_logprob = seq.cumulative_logprob
         end = len(seq.text)
-        if seq.finish_reason is None and seq.params.stop:  # hold back a tail that may yet begin a stop string
-            end = max(seq.emitted_chars, end - (max(len(s) for s in seq.params.stop) - 1))
+        if seq.finish_reason is None and seq.stops is not None:  # hold back a tail that may yet begin a stop string
+            end = max(seq.emitted_chars, end - (seq.stops.longest - 1))
         out.new_text = seq.text[seq.emitted_chars:end]
         seq.emitted_chars = end
         return out
@@ -364,7 +421,11 @@ class Engine:
                 self.prefilling.row = len(self.running)
                 self._free_row(self.prefilling.row)  # empty already (rows past the batch are freed); made sure
             seq = self.prefilling
-            budget -= self._prefill_chunk(seq, budget)
+            fed = self._isolated(seq, self._prefill_chunk, seq, budget)
+            if fed is None:
+                self._release(seq)
+                continue
+            budget -= fed
             if self.cache.lengths[seq.row] < len(seq.prompt_ids) - 1:
                 return  # the budget is spent
             self.prefilling = None

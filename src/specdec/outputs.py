@@ -24,7 +24,7 @@ class RequestOutput:
 
     `new_token_ids`/`new_text` are what this step added; `token_ids`/`text` are everything so far.
     `finish_reason` is None while running, then "stop" (EOS, a stop token or a stop string), "length"
-    (max_tokens or the context is full) or "abort" (cancelled).
+    (max_tokens or the context is full) or "abort" (cancelled, or failed: then `error` says why).
     """
 
     request_id: str
@@ -36,6 +36,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or EOS id that ended the request
+    error: str | None = None  # the engine failed this request (the others went on): the exception, in words
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     # with SamplingParams.logprobs: one entry per token, of this step (new_) and of all so far
     new_logprobs: list[TokenLogprob] | None = None

@@ -81,7 +81,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        drop = mass_before >= params.top_p
+        drop[..., 0] = False  # the most likely token always stays (a top_p of 1e-320 is 0 in float32)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -111,11 +113,13 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:
     """The params of each sequence a request runs: `best_of` (default `n`) of them, seeded seed, seed + 1, ...
-    (as vLLM seeds parallel samples) so that seeded requests stay reproducible and their samples differ."""
+    (as vLLM seeds parallel samples) so that seeded requests stay reproducible and their samples differ.
+    Seeds wrap past 2**64 - 1, the largest a torch generator takes: 2**64 - 1, 0, 1, ..."""
     count = params.best_of or params.n
     if params.seed is None:
         return [params] * count
-    return [dataclasses.replace(params, seed=params.seed + i) for i in range(count)]
+    return [dataclasses.replace(params, seed=seed if seed < 2**64 else seed - 2**64)
+            for seed in range(params.seed, params.seed + count)]
 
 
 def pick_best(outputs: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:

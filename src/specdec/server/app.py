@@ -4,7 +4,8 @@
     POST /tokenize, /detokenize                         (vLLM's)
     GET  /v1/models, /health, /version, /metrics
 
-Each request: validate (pydantic, strict) -> tokenize (in a worker thread) -> check the context fits ->
+Each request: validate (pydantic, strict) -> tokenize (in a worker thread, unless certainly longer than the
+context) -> check the context fits ->
 `AsyncEngine.add_request` -> read the engine's per-step outputs, answering them as one JSON body or as SSE
 chunks of the text each step made decodable (`RequestOutput.new_text`, never the whole text re-decoded).
 A client that goes away aborts its request; every error is an OpenAI error object with its status. A request
@@ -34,14 +35,15 @@ from specdec.sampling import fan_out, pick_best
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
-    APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer, DetokenizeRequest, Renderer,
-    TokenizeRequest, new_id, validation_error,
+    APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer,
+    DetokenizeRequest, Renderer, TokenizeRequest, new_id, validation_error,
 )
 from specdec.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens (vLLM: the rest of the context; bounded here)
 QUEUE_FULL_RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue: a hint, the queue moves each step
 
 
@@ -54,15 +56,21 @@ def build_app(
     metrics: ServerMetrics | None = None,
     model_root: str | None = None,
     sampling_defaults: dict[str, Any] | None = None,
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    special_tokens_in_messages: bool = False,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
     `api_key` protects /v1/*; /health, /version and /metrics stay open, as in vLLM. `sampling_defaults`
-    (`--generation-config`) are the values of sampling parameters that requests leave out."""
+    (`--generation-config`) are the values of sampling parameters that requests leave out. A chat request
+    without max_tokens generates `default_max_tokens` tokens at most (fewer where the context has less
+    room; a `max_new_tokens` default comes first). Special-token text in chat messages is tokenized as
+    plain text unless `special_tokens_in_messages`."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
-    server = _Server(engine_client, names, metrics, sampling_defaults or {})
+    server = _Server(engine_client, names, metrics, sampling_defaults or {}, default_max_tokens,
+                     special_tokens_in_messages)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,11 +90,6 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error_response(APIError(e.status_code, str(e.detail), code=None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -116,7 +119,8 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine_client.healthy:
-            return _error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
+            return _error_response(APIError(503, "the engine is not running, or the server is shutting down",
+                                            code="engine_unavailable"))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -137,6 +141,7 @@ def build_app(
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     app.add_middleware(_CountAnswers, metrics=metrics, known_paths=known_paths)
+    app.add_middleware(_InternalErrors)
     return app
 
 
@@ -144,15 +149,18 @@ def build_app(
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, defaults: dict[str, Any]):
+    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, defaults: dict[str, Any],
+                 default_max_tokens: int, special_text: bool):
         self.engine, self.names, self.metrics, self.defaults = engine, names, metrics, defaults
+        self.default_max_tokens, self.special_text = default_max_tokens, special_text
         self.started = time.time()
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
         self._check(req)
         tool_parser = req.tool_parser()
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
-                                             req.template_tools())
+                                             req.template_tools(), context=self.engine.max_model_len,
+                                             special_text=self.special_text)
         params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs(),
                                     response_format=req.tool_call_format())
         request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages")
@@ -160,7 +168,8 @@ class _Server:
 
     async def completion(self, req: CompletionRequest) -> Response:
         self._check(req)
-        prompt_ids = [await asyncio.to_thread(_completion_prompt_ids, self.engine.tokenizer, p) for p in req.prompts()]
+        prompt_ids = [await asyncio.to_thread(_completion_prompt_ids, self.engine.tokenizer, p,
+                                              context=self.engine.max_model_len) for p in req.prompts()]
         echo_logprobs = req.logprobs if req.echo else None
         params = await self._params(req, req.output_limit(), prompt_ids, "prompt", logprobs=req.logprobs,
                                     prompt_logprobs=echo_logprobs)
@@ -173,7 +182,7 @@ class _Server:
         tokenizer = self.engine.tokenizer
         if req.messages is not None:
             ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req.template_messages(), None,
-                                          req.add_generation_prompt)
+                                          req.add_generation_prompt, special_text=self.special_text)
         else:
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
@@ -209,7 +218,7 @@ class _Server:
                       logprobs: int | None = None, prompt_logprobs: int | None = None,
                       response_format: dict | None = None) -> SamplingParams:
         """SamplingParams, once every prompt and the requested completion are known to fit the context.
-        Without a limit the completion may take the rest of the context (vLLM's default for chat). A grammar
+        Without a limit the completion takes `default_max_tokens` or the rest of the context if less. A grammar
         (response_format) is compiled here, off the engine's thread, and refused here if it is invalid."""
         context = self.engine.max_model_len
         for ids in prompt_ids:
@@ -237,7 +246,8 @@ class _Server:
             if limit is None and "max_new_tokens" in self.defaults:
                 limit = min(self.defaults["max_new_tokens"], context - max(len(ids) for ids in prompt_ids))
             params = SamplingParams(
-                max_tokens=limit if limit is not None else context - max(len(ids) for ids in prompt_ids),
+                max_tokens=limit if limit is not None else
+                min(self.default_max_tokens, context - max(len(ids) for ids in prompt_ids)),
                 seed=req.seed,
                 stop=req.stop_sequences(),
                 ignore_eos=req.ignore_eos,
@@ -454,17 +464,23 @@ async def _disconnected(request: Request) -> None:
 
 
 def _chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, context: int | None = None,
+                     special_text: bool = False) -> list[int]:
+    """The conversation's prompt ids; special-token text in the messages stays plain text unless
+    `special_text` (see `Tokenizer.render_chat`)."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        parts = tokenizer.render_chat(messages, add_generation_prompt, special_text, tools=tools)
     except Exception as e:  # the template refused the conversation (raise_exception), or there is none
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                        code="invalid_value") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    _refuse_if_too_long(tokenizer, "".join(text for text, _ in parts), context, "messages")
+    return tokenizer.encode_parts(parts)
 
 
-def _completion_prompt_ids(tokenizer, prompt: str | list[int], param: str = "prompt") -> list[int]:
+def _completion_prompt_ids(tokenizer, prompt: str | list[int], param: str = "prompt", context: int | None = None
+                           ) -> list[int]:
     if isinstance(prompt, str):
+        _refuse_if_too_long(tokenizer, prompt, context, param)
         return tokenizer.encode(prompt, add_special_tokens=True)
     vocab = tokenizer.vocab_size
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -472,6 +488,17 @@ def _completion_prompt_ids(tokenizer, prompt: str | list[int], param: str = "pro
         raise APIError(400, f"token id {bad} in the {param} is outside the vocabulary [0, {vocab})", param=param,
                        code="invalid_value")
     return list(prompt)
+
+
+def _refuse_if_too_long(tokenizer, text: str, context: int | None, param: str) -> None:
+    """Refuse, before tokenizing it, a `text` that certainly does not fit the `context`
+    (`Tokenizer.fewest_tokens`), as the context check after tokenizing would (a 3 MB prompt took 3.6 s to
+    tokenize)."""
+    if context is not None and (at_least := tokenizer.fewest_tokens(text)) >= context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} has "
+                            f"at least {at_least} tokens ({len(text)} characters): at most {context - 1} prompt "
+                            f"tokens fit, leaving room for one completion token.", param=param,
+                       code="context_length_exceeded")
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
@@ -554,6 +581,37 @@ class _ApiKeyAuth:
                                  code="invalid_api_key")
                 return await _error_response(error)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _InternalErrors:
+    """A bug answering a request: the client gets a generic 500 with an id to quote (also in X-Request-Id), the
+    log the traceback under that id. Not re-raised (as Starlette's handler of Exception would, making the
+    server drop the connection), unless the response had begun: then only cutting it short is left."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            error_id = new_id("err")
+            logger.exception("internal error %s answering %s %s", error_id, scope["method"], scope["path"])
+            if started:
+                raise
+            error = APIError(500, f"The server had an error while processing your request. Quote {error_id} to "
+                                  f"its operator, whose log has the details.", code="internal_error",
+                             headers={"X-Request-Id": error_id})
+            await _error_response(error)(scope, receive, send)
 
 
 class _CountAnswers:

@@ -3,10 +3,13 @@
 `Engine` is synchronous and not thread-safe, so exactly one thread drives it: a thread of its own
 (`start()`), or the caller's (`run()`, which `specdec serve` uses for the main thread, the HTTP server
 running in another; see `run`). Handlers talk to that thread
-through a `queue.SimpleQueue` of commands (add, abort, stop); the thread answers each request through the
+through a `queue.SimpleQueue` of commands (add, abort, drain, stop); the thread answers each request through the
 request's own `asyncio.Queue`, filled with `loop.call_soon_threadsafe`. The event loop never waits on the
 model. With `max_waiting_requests=N` the thread refuses a request (QueueFullError) while N others wait for
-a free batch slot; it alone reads the engine's queue, so the count is exact.
+a free batch slot; it alone reads the engine's queue, so the count is exact. A request that the engine fails
+alone (`RequestOutput.error`) ends its stream with RequestFailedError; an exception out of a whole step ends
+every stream in flight. `drain(timeout)` is a graceful shutdown: no new requests, and those in flight get
+`timeout` seconds to finish.
 
     stream = await async_engine.add_request(request_id, prompt_token_ids, params)  # ValueError if refused
     try:
@@ -23,6 +26,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,6 +38,15 @@ logger = logging.getLogger(__name__)
 
 class EngineStoppedError(RuntimeError):
     """The engine thread is shutting down (or died); the request was not or will not be completed."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (the others went on); the details are in the server log."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"The engine failed while generating request {request_id}; the other requests were not "
+                         f"affected. The server log has the details under this request id.")
+        self.request_id = request_id
 
 
 class QueueFullError(RuntimeError):
@@ -64,6 +77,11 @@ class _Add:
 @dataclasses.dataclass
 class _Abort:
     request_id: str
+
+
+@dataclasses.dataclass
+class _Drain:
+    timeout: float
 
 
 class _Stop:
@@ -115,6 +133,9 @@ class AsyncEngine:
         self._streams: dict[str, _Add] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self._stopping = False
+        self._drain_deadline: float | None = None  # engine thread only: set by a drain command
+        self._drain_timeout = 0.0
+        self._stop_error = EngineStoppedError("The server is shutting down; the request was cancelled.")
         self._driver: threading.Thread | None = None  # the thread in run(), with own_thread=False
         self._done = threading.Event()  # the loop has ended (and failed what was in flight)
 
@@ -169,6 +190,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def drain(self, timeout: float) -> None:
+        """Graceful shutdown: take no new requests (`healthy` turns False, `add_request` raises
+        EngineStoppedError), let those in flight finish for up to `timeout` seconds, then cancel the rest
+        (EngineStoppedError saying so) and stop, as `shutdown` does. Only asks: safe from a signal handler."""
+        self._stopping = True
+        self._inbox.put(_Drain(timeout))
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort every request (their streams raise EngineStoppedError) and stop the thread. Safe to call
         more than once, and from a signal handler when `timeout == 0` (it then only asks)."""
@@ -186,14 +214,21 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while self._handle_commands(block=not self.engine.has_unfinished_requests()):
+            while self._handle_commands(block=not self.engine.has_unfinished_requests() and not self._draining()):
+                if self._draining() and not self.engine.has_unfinished_requests():
+                    break  # drained
+                if self._draining() and time.monotonic() >= self._drain_deadline:
+                    self._stop_error = EngineStoppedError(
+                        f"The server is shutting down and this request did not finish within the shutdown timeout "
+                        f"({self._drain_timeout:g} s); it was cancelled.")
+                    break
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException:  # a bug in the loop itself: fail what is in flight, loudly
             logger.exception("the engine thread died")
         finally:
             self._stopping = True
-            stopped = EngineStoppedError("the server is shutting down; the request was cancelled")
+            stopped = self._stop_error
             self._fail_all(stopped)
             while True:  # requests queued after the stop command: refuse them rather than leave them waiting
                 try:
@@ -214,7 +249,12 @@ class AsyncEngine:
             block = False
             if isinstance(cmd, _Stop):
                 return False
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _Drain) and not self._draining():
+                self._drain_deadline, self._drain_timeout = time.monotonic() + cmd.timeout, cmd.timeout
+                logger.info("draining: %d requests in flight get %g s to finish", len(self._streams), cmd.timeout)
+            elif isinstance(cmd, _Add) and self._draining():  # sent before the drain began, taken after
+                _send(cmd, EngineStoppedError("The server is shutting down and takes no new requests."))
+            elif isinstance(cmd, _Add):
                 limit = self.max_waiting_requests
                 if limit is not None and self.engine.num_queued() >= limit:
                     _send(cmd, QueueFullError(limit))
@@ -229,12 +269,16 @@ class AsyncEngine:
             elif isinstance(cmd, _Abort) and self._streams.pop(cmd.request_id, None) is not None:
                 self.engine.abort_request(cmd.request_id)
 
+    def _draining(self) -> bool:
+        return self._drain_deadline is not None
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; aborting the requests in flight")
-            self._fail_all(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
+        except Exception:
+            logger.exception("engine step failed; aborting the requests in flight: %s", ", ".join(self._streams))
+            self._fail_all(RuntimeError("The engine failed and aborted every request in flight, this one included; "
+                                        "the server log has the details."))
             return
         for listener in self._listeners:
             try:
@@ -247,7 +291,7 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            _send(target, _snapshot(out))
+            _send(target, _snapshot(out) if out.error is None else RequestFailedError(out.request_id))
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, target in list(self._streams.items()):

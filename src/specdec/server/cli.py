@@ -17,8 +17,13 @@ from types import FrameType
 from typing import Any
 
 from specdec.config import QUANTIZATIONS
+from specdec.server.app import DEFAULT_CHAT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+# bounded by default, for a CPU deployment: requests queued for a batch slot, and open connections (uvicorn's
+# limit_concurrency: past it uvicorn answers 503 itself)
+DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_LIMIT_CONCURRENCY = 64, 256
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds requests in flight get to finish after SIGTERM
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,11 +47,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
                         help="sequences decoded together in one batch (default 8; fewer if the memory "
                              "budget does not fit their KV cache)")
-    parser.add_argument("--max-waiting-requests", type=_positive, default=None, metavar="N",
+    parser.add_argument("--max-waiting-requests", type=_positive, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                         help="answer 503 (with Retry-After) to a request that finds N requests already waiting "
-                             "for a free batch slot (default: no limit); running requests are never affected")
+                             f"for a free batch slot (default {DEFAULT_MAX_WAITING_REQUESTS}); running requests are "
+                             "never affected")
+    parser.add_argument("--limit-concurrency", type=_positive, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                        help="open connections (and requests in progress) at most; past it the server answers "
+                             f"503 (default {DEFAULT_LIMIT_CONCURRENCY})")
+    parser.add_argument("--default-max-tokens", type=_positive, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
+                        help="completion tokens of a chat request that sets no max_tokens, at most (default "
+                             f"{DEFAULT_CHAT_MAX_TOKENS}; fewer if the context has less room; text completions "
+                             "default to 16, as OpenAI's)")
     parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                         help="stop speculating while more than N sequences run")
+    parser.add_argument("--special-tokens-in-messages", action="store_true",
+                        help="tokenize special-token text inside chat messages (e.g. `<|im_start|>`) as the control "
+                             "token it spells, as before; by default it is plain text, so that a user cannot open "
+                             "turns of other roles")
+    parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
+                        help="on SIGTERM, take no new requests (503; /health answers 503) and give those in flight "
+                             f"S seconds to finish before cancelling them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); "
+                             "SIGINT, or a second SIGTERM, cancels them at once")
     parser.add_argument("--dry-run", action="store_true", help="load, print the memory breakdown and exit")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -195,9 +216,10 @@ def _pull_if_needed(name_or_path: str) -> None:
 
 def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: dict[str, Any] | None = None) -> int:
     """The engine loop in the main thread, the HTTP server (uvicorn) in another (see `AsyncEngine.run`).
-    SIGTERM/SIGINT abort the requests in flight at once (their streams end with an error event), so that
-    uvicorn's graceful shutdown, which waits for open responses, does not wait for whole generations; a
-    second SIGINT forces the exit."""
+    SIGTERM drains (`AsyncEngine.drain`): new requests and /health are answered 503 while the requests in
+    flight get `--shutdown-timeout` seconds to finish; then the rest are cancelled (their streams end with
+    an error event saying so), the engine loop ends, and uvicorn closes. SIGINT, or a second SIGTERM,
+    cancels the requests in flight at once; a second SIGINT forces the exit."""
     import uvicorn
 
     from specdec.server.app import build_app
@@ -205,9 +227,11 @@ def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: d
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
     app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])),
-                    sampling_defaults=sampling_defaults)
+                    sampling_defaults=sampling_defaults, default_max_tokens=args.default_max_tokens,
+                    special_tokens_in_messages=args.special_tokens_in_messages)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)
+                            access_log=not args.disable_log_requests, timeout_graceful_shutdown=10,
+                            limit_concurrency=args.limit_concurrency)
     server = uvicorn.Server(config)  # outside the main thread uvicorn leaves the signals alone
 
     def serve_http() -> None:
@@ -217,11 +241,16 @@ def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: d
             engine.shutdown(timeout=0)
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not draining:
+            draining.append(sig)
+            engine.drain(args.shutdown_timeout)  # engine.run() returns once drained
+            return
         engine.shutdown(timeout=0)
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True
         server.should_exit = True
 
+    draining: list[int] = []
     handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     http = threading.Thread(target=serve_http, name="specdec-http")
     http.start()
@@ -250,8 +279,9 @@ def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], a
     if defaults:
         print(f"  default sampling parameters ({args.generation_config}): "
               + ", ".join(f"{k}={v}" for k, v in defaults.items()))
-    if args.max_waiting_requests is not None:
-        print(f"  at most {args.max_waiting_requests} requests wait for a free slot; more are answered 503")
+    print(f"  limits: {args.max_waiting_requests} requests waiting for a slot and {args.limit_concurrency} open "
+          f"connections (more are answered 503); chat completions without max_tokens: {args.default_max_tokens} "
+          f"tokens at most; SIGTERM gives requests in flight {args.shutdown_timeout:g} s to finish")
     print(f"  OpenAI API at http://{_url_host(args.host)}:{args.port}/v1", flush=True)
 
 
@@ -263,6 +293,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
 
 

@@ -15,7 +15,9 @@ Requests: `specdec:request_success_total{finished_reason}` (stop, length, abort)
 `specdec:generation_tokens_total`, histograms `specdec:time_to_first_token_seconds`,
 `specdec:request_time_per_output_token_seconds` (per request, (e2e - ttft) / (tokens - 1)),
 `specdec:e2e_request_latency_seconds`, the gauge `specdec:num_requests_running`, and
-`specdec:http_requests_total{method, path, status}` for every HTTP answer, errors included.
+`specdec:http_requests_total{method, path, status}` for every HTTP answer, errors included; its labels are
+bounded, so that clients cannot grow the registry: a method outside HTTP's standard ones and a path outside
+the app's routes count as "other".
 
 Every metric carries `model_name`. Each app gets its own registry, so tests can build several.
 """
@@ -34,6 +36,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 1920.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
 
 class ServerMetrics:
@@ -99,6 +102,8 @@ class ServerMetrics:
                 self.tpot.labels(name).observe((e2e - ttft) / (num_tokens - 1))
 
     def http_answer(self, method: str, path: str, status: int) -> None:
+        """Count one answer; `path` must already be a route or "other" (the app knows its routes)."""
+        method = method if method in HTTP_METHODS else "other"
         self.http_requests.labels(self.model_name, method, path, str(status)).inc()
 
     def render(self) -> bytes:

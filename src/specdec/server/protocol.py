@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specdec.config import MAX_TEMPERATURE
 from specdec.metrics import SpecMetrics
 from specdec.outputs import RequestOutput, TokenLogprob
 from specdec.server.tool_calls import ToolCallParser, ToolCallStream
@@ -79,7 +80,7 @@ def _param_name(loc: list) -> str | None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # NaN, Infinity, 1e999: refused
 
 
 class StreamOptions(_Strict):
@@ -118,6 +119,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None  # None only for an assistant message with tool_calls
     tool_calls: list[ToolCallParam] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    name: str | None = None  # a participant's name, given to the chat template (most ignore it)
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> "ChatMessage":
@@ -147,6 +149,8 @@ class ChatMessage(_Strict):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
 
 
@@ -173,6 +177,8 @@ class NamedToolChoice(_Strict):
 
 INT64 = dict(ge=-(2**63), le=2**64 - 1)
 MAX_N = 16  # the most sequences (n, best_of) one request may ask for
+# stop strings per request, and characters per stop string (OpenAI allows 4 stop strings): generous, bounded
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 class _SamplingRequest(_Strict):
@@ -180,7 +186,7 @@ class _SamplingRequest(_Strict):
 
     model: str | None = None  # optional, as in vLLM: the served model when absent
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM extension; 0 or -1 disables
     seed: int | None = Field(None, **INT64)
@@ -193,7 +199,7 @@ class _SamplingRequest(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM extension
+    repetition_penalty: float | None = Field(None, ge=0.01, le=2)  # vLLM extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = Field(None, ge=0)  # vLLM extension
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM extension
@@ -229,10 +235,14 @@ class _SamplingRequest(_Strict):
         return self.n or 1, None
 
     def stop_sequences(self) -> tuple[str, ...]:
+        """The stop strings: at most MAX_STOP_STRINGS, each of 1 to MAX_STOP_CHARS characters."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
             raise APIError(400, "Invalid value for stop: stop sequences must not be empty strings", param="stop",
                            code="invalid_value")
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"Invalid value for stop: at most {MAX_STOP_STRINGS} stop sequences of at most "
+                                f"{MAX_STOP_CHARS} characters each", param="stop", code="invalid_value")
         return tuple(stops)
 
     def unsupported_parameter(self) -> APIError | None:
@@ -254,6 +264,10 @@ class _SamplingRequest(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # OpenAI's bookkeeping, no effect on the output: storing the completion, tags for it, the processing tier
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
