@@ -1,4 +1,6 @@
 """Load generator: concurrent streaming clients against `specdec serve` on 127.0.0.1, per speculation mode.
+The clients and figures are `specdec bench serve`'s (`specdec.bench.serve`, one server); this program adds
+the servers, one per mode, and the modes' turns.
 
     .venv/bin/python benchmarks/load_test.py [--concurrency 1,2,4,8,16] [--max-tokens 48] [--rounds 3]
 
@@ -11,7 +13,7 @@ round). Taking turns this way spreads the machine's drift over the modes alike, 
 out: one round of one request per client is too short to tell a few percent apart here.
 
 Reports per level and mode, over all its rounds: output tokens/s (all tokens over all the time), time to
-first token and time per output token (median, p95), acceptance rate (from /metrics) and the server's
+first token and time per output token (median, p90), acceptance rate (from /metrics) and the server's
 memory (RSS); then adaptive / the best of the others, pooled and round by round. Failed requests are
 counted apart (their tokens are not throughput) and each server's log is kept in a temporary folder
 (printed). Bounded: a fixed number of requests, and `--timeout` seconds per round.
@@ -22,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,9 +34,10 @@ import time
 
 import httpx
 
-from specdec.data import DATA_DIR
+from specdec.bench.prompts import Prompt, dataset_prompts
+from specdec.bench.serve import run_round, spec_counters, summarize
 
-DATA = DATA_DIR  # the prompt sets shipped with specdec
+MODEL = "qwen2.5-coder-1.5b-instruct"
 MODES = {
     "off": [],
     "fixed K=5": ["--speculative-model", "qwen2.5-coder-0.5b-instruct", "--num-speculative-tokens", "5"],
@@ -50,16 +51,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prompts() -> list[str]:
+def prompts() -> list[Prompt]:
     """HumanEval 0-99 (100+ is the shipped heads' training split), as chat requests."""
-    with gzip.open(DATA / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return [f"Complete this function:\n{r['prompt']}" for r in rows[:100]]
+    return [Prompt(messages=({"role": "user", "content": f"Complete this function:\n{p.prompt}"},))
+            for p in dataset_prompts("humaneval")]
 
 
 def start_server(mode_args: list[str], max_num_seqs: int, log_dir: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "specdec", "serve", "qwen2.5-coder-1.5b-instruct", *mode_args, "--port", str(port),
+    cmd = [sys.executable, "-m", "specdec", "serve", MODEL, *mode_args, "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024"]
     log = open(os.path.join(log_dir, f"server-{port}.log"), "w")  # the server's own log, for what went wrong
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -76,74 +76,6 @@ def start_server(mode_args: list[str], max_num_seqs: int, log_dir: str) -> tuple
         time.sleep(1)
     proc.kill()
     raise RuntimeError("server did not become healthy in 600 s")
-
-
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "qwen2.5-coder-1.5b-instruct", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = None
-    tokens = 0
-    error = None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):  # the server failed the request mid-stream
-                error = chunk["error"].get("message", str(chunk["error"]))
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    first = first or end
-    return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end,
-            "error": error if r.status_code == 200 else f"HTTP {r.status_code}"}
-
-
-async def run_round(url: str, texts: list[str], concurrency: int, per_client: int, max_tokens: int,
-                    timeout: float) -> tuple[list[dict], float]:
-    """`concurrency` clients at once, each sending its `per_client` prompts of `texts` in turn: the requests'
-    results and the round's wall time."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
-        async def client_loop(c: int) -> list[dict]:
-            return [await one_request(client, url, texts[c * per_client + i], max_tokens) for i in range(per_client)]
-
-        start = time.perf_counter()
-        results = await asyncio.wait_for(asyncio.gather(*(client_loop(c) for c in range(concurrency))), timeout)
-        return [r for rs in results for r in rs], time.perf_counter() - start
-
-
-def summarize(every: list[dict], elapsed: float) -> dict:
-    """Throughput (tokens of the requests that succeeded over all the time) and latency percentiles."""
-    flat = [r for r in every if r["error"] is None]
-    if not flat:
-        raise RuntimeError(f"every request failed: {every[0]['error']}")
-    ttft = sorted(r["ttft"] for r in flat)
-    tpot = sorted(r["tpot"] for r in flat)
-
-    def p95(xs):
-        return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
-
-    return {"throughput": sum(r["tokens"] for r in flat) / elapsed, "seconds": round(elapsed, 2),
-            "ttft_median": statistics.median(ttft),
-            "ttft_p95": p95(ttft), "tpot_median": statistics.median(tpot), "tpot_p95": p95(tpot),
-            "requests": len(every), "errors": [r["error"] for r in every if r["error"] is not None]}
-
-
-def spec_counters(url: str) -> dict[str, float]:
-    """The server's speculation counters: drafts (steps that drafted), draft tokens, accepted tokens."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    names = {"specdec:spec_decode_num_drafts_total": "drafts", "specdec:spec_decode_num_draft_tokens_total": "drafted",
-             "specdec:spec_decode_num_accepted_tokens_total": "accepted"}
-    values = dict.fromkeys(names.values(), 0.0)
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name in names:
-                values[names[sample.name]] = sample.value
-    return values
 
 
 def rss_bytes(pid: int) -> int:
@@ -171,7 +103,7 @@ def main() -> None:
         for mode in modes:  # all up at once (an idle server waits on its inbox: it takes no CPU)
             servers[mode] = start_server(MODES[mode], max(levels), log_dir)
         for mode in modes:  # first requests pay one-time costs (allocator, kernels): not measured
-            asyncio.run(run_round(servers[mode][1], texts[-1:], 1, 1, 8, args.timeout))
+            asyncio.run(run_round(servers[mode][1], MODEL, texts[-1:], 1, 1, 8, 0.0, args.timeout))
         for c in levels:
             n = c * args.requests_per_client
             done: dict[str, list] = {mode: [] for mode in modes}  # per mode: (results, seconds) per round
@@ -181,8 +113,8 @@ def main() -> None:
                 for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # who goes first rotates
                     url = servers[mode][1]
                     before = spec_counters(url)
-                    done[mode].append(asyncio.run(run_round(url, batch, c, args.requests_per_client,
-                                                            args.max_tokens, args.timeout)))
+                    done[mode].append(asyncio.run(run_round(url, MODEL, batch, c, args.requests_per_client,
+                                                            args.max_tokens, 0.0, args.timeout)))
                     for name, value in spec_counters(url).items():
                         counters[mode][name] += value - before[name]
             for mode in modes:
@@ -196,8 +128,8 @@ def main() -> None:
                            rss_gib=round(rss_bytes(servers[mode][0].pid) / 2 ** 30, 2),
                            acceptance_rate=round(accepted / drafted, 3) if drafted else None)
                 rows.append(row)
-                print(f"{mode:10} c={c:<3} {row['throughput']:7.2f} tok/s  ttft {row['ttft_median']:.2f}/"
-                      f"{row['ttft_p95']:.2f}s  tpot {row['tpot_median'] * 1e3:.0f}/{row['tpot_p95'] * 1e3:.0f}ms  "
+                print(f"{mode:10} c={c:<3} {row['throughput']:7.2f} tok/s  ttft {row['ttft_p50']:.2f}/"
+                      f"{row['ttft_p90']:.2f}s  tpot {row['tpot_p50'] * 1e3:.0f}/{row['tpot_p90'] * 1e3:.0f}ms  "
                       f"accept {row['acceptance_rate']} ({row['drafting_steps']} drafting steps)  "
                       f"rss {row['rss_gib']} GiB  rounds {row['round_throughput']}"
                       + (f"  FAILED {len(row['errors'])}: {row['errors'][0]}" if row["errors"] else ""), flush=True)

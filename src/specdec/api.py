@@ -122,8 +122,10 @@ class LLM:
         self.model_name = model
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.config.max_position_embeddings)
         self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
-        self.draft_model = self._load_draft()
-        self.heads = self._load_heads()
+        self.draft_model = self._load_draft(self.spec)
+        self.heads = self._load_heads(self.spec)
+        if self.draft_model is not None:
+            self.draft_quantization = resolve_quantization(self.spec.draft_quantization, self.device)
         draft_weights, draft_kv_per_token = 0, 0
         if self.draft_model is not None:
             draft_weights = model_bytes(self.draft_model)
@@ -142,37 +144,50 @@ class LLM:
             max_num_seqs=max_num_seqs,
             draft_label="heads" if self.heads is not None else "draft",
         )
-        self.engine = Engine(
-            self.target,
-            self.tokenizer,
-            self._build_proposer(self.memory_plan.max_num_seqs),
-            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
-            adaptive=bool(self.spec and self.spec.adaptive),
-            max_model_len=self.max_model_len,
-            max_batch_size=self.memory_plan.max_num_seqs,
-            prefill_chunk=prefill_chunk,
-            disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
-        )
+        proposer = self._build_proposer(self.spec, self.draft_model, self.heads, self.memory_plan.max_num_seqs)
+        self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk)
         self._ids = itertools.count()
 
-    def _load_draft(self) -> Transformer | None:
-        spec = self.spec
+    def engine_for(self, spec: SpeculativeConfig | None) -> Engine:
+        """A new one-sequence engine on this LLM's target and tokenizer that speculates as `spec` says (None:
+        plain decoding), with its own draft model or heads: how `specdec bench` compares methods on one
+        loaded target. Its `proposer.memory_bytes` is the memory that drafting adds.
+
+            llm = LLM("qwen2.5-coder-1.5b-instruct")
+            ngram = llm.engine_for(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+        """
+        proposer = self._build_proposer(spec, self._load_draft(spec), self._load_heads(spec), 1)
+        return self._engine(spec, proposer, 1)
+
+    def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512) -> Engine:
+        return Engine(
+            self.target,
+            self.tokenizer,
+            proposer,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            adaptive=bool(spec and spec.adaptive),
+            max_model_len=self.max_model_len,
+            max_batch_size=max_num_seqs,
+            prefill_chunk=prefill_chunk,
+            disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+        )
+
+    def _load_draft(self, spec: SpeculativeConfig | None) -> Transformer | None:
         if spec is None or spec.method != "draft_model" or spec.num_speculative_tokens == 0:
             return None
-        self.draft_quantization = resolve_quantization(spec.draft_quantization, self.device)
+        quantization = resolve_quantization(spec.draft_quantization, self.device)
         draft_dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
-        draft, draft_tokenizer, _ = load_model(spec.model, draft_dtype, self.device, self.draft_quantization)
+        draft, draft_tokenizer, _ = load_model(spec.model, draft_dtype, self.device, quantization)
         check_draft_compatible(self.tokenizer, draft_tokenizer, self.target.config, draft.config)
         return draft
 
-    def _load_heads(self):
-        spec = self.spec
+    def _load_heads(self, spec: SpeculativeConfig | None):
         if spec is None or spec.method not in ("medusa", "eagle") or spec.num_speculative_tokens == 0:
             return None
         return load_heads(resolve_heads(spec.model), self.target, spec.method)
 
-    def _tree(self) -> TreeShape | DynamicTree | None:
-        spec = self.spec
+    @staticmethod
+    def _tree(spec: SpeculativeConfig) -> TreeShape | DynamicTree | None:
         if spec.tree is None:
             return None
         if spec.tree == "default":
@@ -181,20 +196,19 @@ class LLM:
             return DynamicTree(spec.tree_top_k, spec.tree_beam)
         return TreeShape.from_choices(spec.tree)
 
-    def _build_proposer(self, max_num_seqs: int):
-        spec = self.spec
+    def _build_proposer(self, spec: SpeculativeConfig | None, draft_model, heads, max_num_seqs: int):
         if spec is None or spec.num_speculative_tokens == 0:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
         if spec.method == "draft_model":
-            return DraftModelProposer(self.draft_model, max_num_seqs, self.max_model_len)
-        tree = self._tree()
+            return DraftModelProposer(draft_model, max_num_seqs, self.max_model_len)
+        tree = self._tree(spec)
         vocab, k = self.target.config.vocab_size, spec.num_speculative_tokens
         if spec.method == "medusa":
-            return MedusaProposer(self.heads, vocab, tree, max_depth=k)
+            return MedusaProposer(heads, vocab, tree, max_depth=k)
         if spec.method == "eagle":
-            return EagleProposer(self.heads, vocab, max_num_seqs, self.max_model_len, tree, max_depth=k)
+            return EagleProposer(heads, vocab, max_num_seqs, self.max_model_len, tree, max_depth=k)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     # ----------------------------------------------------------------------------------- generation

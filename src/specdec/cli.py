@@ -1,4 +1,4 @@
-"""`specdec generate | serve | models | convert | train-heads`."""
+"""`specdec generate | serve | bench | models | convert | train-heads`."""
 
 from __future__ import annotations
 
@@ -159,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
 
+    from specdec.bench.cli import add_bench_arguments, add_bench_serve_arguments, run_bench, run_bench_serve
+
+    bench = sub.add_parser("bench", help="compare speculation methods on your prompts: report and plots "
+                                         "(`specdec bench serve --help`: load-test a server)")
+    add_bench_arguments(bench).set_defaults(func=run_bench)
+
     models = sub.add_parser("models", help="pull or list known models")
     models.add_argument("action", choices=["pull", "list"])
     models.add_argument("names", nargs="*")
@@ -190,7 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--device")
     heads.set_defaults(func=cmd_train_heads)
 
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # a command of its own beside `bench TARGET`
+        bench_serve = argparse.ArgumentParser(prog="specdec bench serve", description="load-test an "
+                                              "OpenAI-compatible server with concurrent streaming clients")
+        args = add_bench_serve_arguments(bench_serve).parse_args(argv[2:])
+        args.func = run_bench_serve
+    else:
+        args = parser.parse_args(argv)
     from specdec.memory import MemoryBudgetError
 
     try:

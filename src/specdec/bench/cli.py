@@ -1,0 +1,134 @@
+"""`specdec bench TARGET ...` (compare speculation methods) and `specdec bench serve ...` (load-test a server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specdec.config import QUANTIZATIONS
+
+DATASET_PROMPTS = 10  # prompts taken from a shipped data set unless --num-prompts says otherwise
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser, num_prompts_default: str) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompts", help='JSONL file, one {"prompt": TEXT} or {"messages": [...]} a line, '
+                                          'optionally with "category"')
+    source.add_argument("--dataset", help="a shipped data set: humaneval (the default), spec-bench or "
+                                          "spec-bench:CATEGORY")
+    parser.add_argument("--num-prompts", type=int, help=f"use the first N prompts (default: {num_prompts_default})")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt, at most")
+    parser.add_argument("--out", default="bench-report", help="folder for report.md, report.json and the plots")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", help="target model: path (HF folder or .gguf) or known name")
+    add_prompt_arguments(parser, f"all of a file, {DATASET_PROMPTS} of a data set")
+    parser.add_argument("--methods", help="comma-separated: plain, ngram, draft:MODEL, medusa, eagle, each with "
+                                          "options :k=K, :adaptive, :tree (heads), :dynamic (heads), e.g. "
+                                          "draft:qwen2.5-coder-0.5b-instruct:k=4 (default: plain, ngram, the "
+                                          "default draft and the shipped heads where the target has them)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs must equal plain's)")
+    parser.add_argument("--seed", type=int, default=0, help="every request's seed, when sampling")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
+    parser.add_argument("--max-model-len", type=int, help="context length (default 4096; sizes drafters' caches)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    return parser
+
+
+def load_prompts(args: argparse.Namespace) -> list:
+    from specdec.bench.prompts import dataset_prompts, read_prompts
+
+    prompts = read_prompts(args.prompts) if args.prompts else dataset_prompts(args.dataset or "humaneval")
+    n = args.num_prompts or (len(prompts) if args.prompts else DATASET_PROMPTS)
+    if n < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    return prompts[:n]
+
+
+def source_name(args: argparse.Namespace) -> str:
+    return Path(args.prompts).name if args.prompts else (args.dataset or "humaneval")
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("the plots need matplotlib: pip install 'specdec[bench]'") from None
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Compare the methods on the prompts; write the report and plots; print the table and the
+    recommended serve command. Exit status 1 when a greedy output differed from plain decoding's."""
+    from specdec.api import LLM
+    from specdec.bench.compare import run_methods, summarize
+    from specdec.bench.methods import default_methods, parse_methods
+    from specdec.bench.plots import write_plots
+    from specdec.bench.report import method_table, recommend, serve_command, warnings, write_report
+    from specdec.config import SamplingParams
+    from specdec.models.store import KNOWN_MODELS, pull
+
+    methods = parse_methods(args.methods or default_methods(args.model), args.model)
+    prompts = load_prompts(args)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    require_matplotlib()
+    for name in [args.model] + [m.spec.model for m in methods if m.spec and m.spec.method == "draft_model"]:
+        if name in KNOWN_MODELS:
+            pull(name)  # instant when already pulled
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
+              device=args.device)
+    engines = [llm.engine_for(m.spec) for m in methods]
+    runs = run_methods(methods, engines, [p.token_ids(llm.tokenizer) for p in prompts], params)
+    summaries = summarize(runs, prompts, params.greedy)
+
+    out = Path(args.out)
+    dtype = str(llm.dtype).removeprefix("torch.")
+    info = {"target": args.model, "source": source_name(args), "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "setup": f"on {llm.device}, target weights {llm.quantization}, "
+                                                      f"activations {dtype}"}
+    sampling = "greedy" if params.greedy else f"temperature {args.temperature}"
+    subtitle = f"{args.model}, {len(prompts)} prompts ({info['source']}), {args.max_tokens} tokens max, {sampling}"
+    plots = write_plots(out, summaries, subtitle)
+    report = write_report(out, summaries, info, plots)
+    print("\n".join(method_table(summaries) + [f"\nwarning: {w}" for w in warnings(summaries)]))
+    print(f"\nreport: {report}  plots: {', '.join(str(p) for p in plots)}")
+    best = recommend(summaries)
+    print(f"recommended: {best.name}\n{serve_command(args.model, best)}")
+    return 0 if all(s.identical in (None, len(prompts)) for s in summaries) else 1
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", help="the model name to request (default: the first of /v1/models)")
+    parser.add_argument("--api-key", help="sent as a bearer token")
+    add_prompt_arguments(parser, "all of a file; of a data set, as many as the levels' rounds send")
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    parser.add_argument("--requests-per-client", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per level, new prompts each round")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per round")
+    parser.set_defaults(max_tokens=64, out="bench-serve-report")
+    return parser
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """Load-test the server level by level; write the report; print the table."""
+    from specdec.bench.serve import load_test, write_serve_report
+
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError("--concurrency takes numbers >= 1, e.g. 1,4,16")
+    if args.num_prompts is None and not args.prompts:
+        args.num_prompts = max(levels) * args.requests_per_client * args.rounds
+    prompts = load_prompts(args)
+    require_matplotlib()
+    rows = load_test(args.url, prompts, levels, model=args.model, api_key=args.api_key, max_tokens=args.max_tokens,
+                     temperature=args.temperature, requests_per_client=args.requests_per_client,
+                     rounds=args.rounds, timeout=args.timeout)
+    report = write_serve_report(Path(args.out), rows, {"url": args.url, "source": source_name(args),
+                                                       "max_tokens": args.max_tokens, "temperature": args.temperature})
+    print(report.read_text())
+    print(json.dumps({"benchmark": "serve", "results": rows}))
+    return 0 if not any(r["errors"] for r in rows) else 1

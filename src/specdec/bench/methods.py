@@ -1,0 +1,112 @@
+"""`--methods`: the ways of decoding a bench compares, each a name that maps to one SpeculativeConfig.
+
+    plain                          no speculation (always run: the baseline)
+    ngram[:k=K]                    prompt lookup
+    draft:MODEL[:k=K][:adaptive]   a draft model (path or known name)
+    medusa[:HEADS][:k=K][:tree]    Medusa heads (default: those shipped for the target, TARGET-medusa)
+    eagle[:HEADS][:k=K][:tree|:dynamic]
+
+K is the draft length (3 unless given), fixed unless `adaptive` (then K is the most the controller may
+draft); `tree` drafts the default tree of depth K, `dynamic` EAGLE-2's. Example:
+
+    >>> parse_method("draft:qwen2.5-coder-0.5b-instruct:k=4", "qwen2.5-coder-1.5b-instruct").spec.num_speculative_tokens
+    4
+    >>> parse_method("eagle:tree", "qwen2.5-coder-1.5b-instruct").spec.model
+    'qwen2.5-coder-1.5b-instruct-eagle'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.config import SpeculativeConfig
+
+DEFAULT_K = 3
+KINDS = ("plain", "ngram", "draft", "medusa", "eagle")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # canonical: every option spelled out, e.g. "draft:qwen2.5-coder-0.5b-instruct:k=3"
+    spec: SpeculativeConfig | None  # None: plain decoding
+
+    @property
+    def config_json(self) -> str | None:
+        """The `--speculative-config` value that runs this method (None: plain decoding, no flag)."""
+        if self.spec is None:
+            return None
+        s = self.spec
+        d: dict = {"method": s.method}
+        if s.model is not None:
+            d["model"] = s.model
+        d["num_speculative_tokens"] = s.num_speculative_tokens
+        if s.adaptive:
+            d["adaptive"] = True
+        if s.tree is not None:
+            d["tree"] = s.tree
+        return json.dumps(d)
+
+
+def parse_method(text: str, target: str) -> Method:
+    """One `--methods` entry; `target` names the shipped heads that medusa and eagle default to."""
+    kind, *parts = text.strip().split(":")
+    if kind == "suffix":
+        raise ValueError("suffix decoding is not implemented yet; methods: " + ", ".join(KINDS))
+    if kind not in KINDS:
+        raise ValueError(f"unknown method {text!r}; methods: " + ", ".join(KINDS))
+    k, adaptive, tree, model = DEFAULT_K, False, None, None
+    for part in parts:
+        if part.startswith("k="):
+            if not part[2:].isdigit() or int(part[2:]) < 1:
+                raise ValueError(f"{text!r}: k must be a whole number >= 1")
+            k = int(part[2:])
+        elif part == "adaptive":
+            adaptive = True
+        elif part in ("tree", "dynamic"):
+            tree = "default" if part == "tree" else "dynamic"
+        elif model is None and part:
+            model = part
+        else:
+            raise ValueError(f"{text!r}: unknown option {part!r} (k=K, adaptive, tree, dynamic)")
+    if kind == "plain":
+        if parts:
+            raise ValueError(f"{text!r}: plain takes no options")
+        return Method("plain", None)
+    if kind == "draft" and model is None:
+        raise ValueError(f"{text!r}: name the draft model, e.g. draft:qwen2.5-coder-0.5b-instruct")
+    if kind == "ngram" and model is not None:
+        raise ValueError(f"{text!r}: ngram takes no model")
+    named = [model] if model is not None else []  # medusa and eagle: shown only when not the default heads
+    if kind in ("medusa", "eagle") and model is None:
+        model = f"{Path(target).name.removesuffix('.gguf')}-{kind}"
+    spec = SpeculativeConfig(method="draft_model" if kind == "draft" else kind, model=model,
+                             num_speculative_tokens=k, adaptive=adaptive, tree=tree)
+    options = [f"k={k}"] + (["adaptive"] if adaptive else []) + \
+        {None: [], "default": ["tree"], "dynamic": ["dynamic"]}[tree]
+    return Method(":".join([kind, *named, *options]), spec)
+
+
+def parse_methods(text: str, target: str) -> list[Method]:
+    """Comma-separated entries, plain first (added if missing), duplicates refused."""
+    methods = [parse_method(t, target) for t in text.split(",") if t.strip()]
+    if not any(m.spec is None for m in methods):
+        methods.insert(0, Method("plain", None))
+    methods.sort(key=lambda m: m.spec is not None)
+    names = [m.name for m in methods]
+    if len(set(names)) < len(names):
+        raise ValueError(f"a method is listed twice: {', '.join(names)}")
+    return methods
+
+
+def default_methods(target: str) -> str:
+    """plain and ngram; the default draft when the target is the default one; the shipped heads for it."""
+    from specdec.api import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.heads.modules import PRETRAINED
+
+    methods = ["plain", "ngram"]
+    if target == DEFAULT_TARGET:
+        methods.append(f"draft:{DEFAULT_DRAFT}")
+    methods += [kind for kind in ("medusa", "eagle") if (PRETRAINED / f"{target}-{kind}").is_dir()]
+    return ",".join(methods)
