@@ -57,10 +57,10 @@ def prompts() -> list[Prompt]:
             for p in dataset_prompts("humaneval")]
 
 
-def start_server(mode_args: list[str], max_num_seqs: int, log_dir: str) -> tuple[subprocess.Popen, str]:
+def start_server(serve_args: list[str], log_dir: str, model: str = MODEL) -> tuple[subprocess.Popen, str]:
+    """`specdec serve model *serve_args` on a free port, its log in `log_dir`; (process, url) once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "specdec", "serve", MODEL, *mode_args, "--port", str(port),
-           "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024"]
+    cmd = [sys.executable, "-m", "specdec", "serve", model, *serve_args, "--port", str(port)]
     log = open(os.path.join(log_dir, f"server-{port}.log"), "w")  # the server's own log, for what went wrong
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -101,7 +101,8 @@ def main() -> None:
     servers = {}
     try:
         for mode in modes:  # all up at once (an idle server waits on its inbox: it takes no CPU)
-            servers[mode] = start_server(MODES[mode], max(levels), log_dir)
+            servers[mode] = start_server([*MODES[mode], "--max-num-seqs", str(max(levels)), "--max-model-len", "1024"],
+                                         log_dir)
         for mode in modes:  # first requests pay one-time costs (allocator, kernels): not measured
             asyncio.run(run_round(servers[mode][1], MODEL, texts[-1:], 1, 1, 8, 0.0, args.timeout))
         for c in levels:

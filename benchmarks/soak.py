@@ -25,14 +25,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
-from load_test import free_port, rss_bytes
+from load_test import rss_bytes, start_server
 
 PROMPTS = [
     "Write a Python function that reverses a string.", "What is a binary search? One paragraph.",
@@ -162,27 +160,6 @@ class Soak:
         return rss
 
 
-def start_server(model: str, log_dir: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "specdec", "serve", model, "--port", str(port), "--max-num-seqs", "8",
-           "--max-model-len", "1024", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
-    log = open(os.path.join(log_dir, "server.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in 600 s")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -197,7 +174,8 @@ def main() -> None:
     if url is None:
         log_dir = tempfile.mkdtemp(prefix="specdec-soak-")
         print(f"server log in {log_dir}", flush=True)
-        proc, url = start_server(args.model, log_dir)
+        proc, url = start_server(["--max-num-seqs", "8", "--max-model-len", "1024", "--speculative-config",
+                                  '{"method": "ngram", "num_speculative_tokens": 3}'], log_dir, model=args.model)
     soak = Soak(url, args.model, args.max_tokens, args.timeout, args.seed)
     try:
         rss = asyncio.run(soak.run(args.clients, args.duration, proc.pid if proc else None))
