@@ -92,16 +92,16 @@ class Summary:
         return float(low), float(high)
 
     def to_dict(self) -> dict:
+        """The figures at full precision (report.md rounds them for reading; rounding here too would make
+        the two disagree in the last printed digit)."""
         low, high = self.speedup_quartiles
         return {"method": self.name, "speculative_config": self.config_json,
-                "tokens_per_s": round(self.tokens_per_s, 3), "speedup": round(self.speedup, 4),
-                "speedup_p25": round(low, 4), "speedup_p75": round(high, 4),
-                "speedup_per_prompt": [round(x, 4) for x in self.speedup_per_prompt],
-                "tokens_per_pass": round(self.tokens_per_pass, 4),
-                "per_position": [round(x, 4) for x in self.per_position],
-                "time_split": dict(zip(("draft", "target", "other"), (round(x, 4) for x in self.time_split))),
+                "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
+                "speedup_p25": low, "speedup_p75": high, "speedup_per_prompt": list(self.speedup_per_prompt),
+                "tokens_per_pass": self.tokens_per_pass, "per_position": list(self.per_position),
+                "time_split": dict(zip(("draft", "target", "other"), self.time_split)),
                 "memory_bytes": self.memory_bytes, "identical": self.identical,
-                "speedup_by_category": {c: round(x, 4) for c, x in self.speedup_by_category.items()},
+                "speedup_by_category": dict(self.speedup_by_category),
                 "metrics": self.pooled.to_dict()}
 
 
