@@ -4,6 +4,9 @@
                       speculative_model="qwen2.5-coder-0.5b-instruct", num_speculative_tokens=5)
     out = llm.generate(["def quicksort(arr):"], specdec.SamplingParams(temperature=0, max_tokens=64))
     print(out[0].text, out[0].metrics.mean_acceptance_length)
+
+Prefixes are cached across calls (`enable_prefix_caching`, on by default): a conversation sent again with
+one more turn prefills only what is new (`out[0].metrics.cached_tokens` tells how much was not).
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class LLM:
         max_num_seqs: int = 1,
         memory_utilization: float = 0.9,
         prefill_chunk: int = 512,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.quantization = resolve_quantization(quantization, self.device)
@@ -140,6 +144,7 @@ class LLM:
             max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
             draft_label="heads" if self.heads is not None else "draft",
+            prefix_caching=enable_prefix_caching,
         )
         self.engine = Engine(
             self.target,
@@ -151,6 +156,8 @@ class LLM:
             max_batch_size=self.memory_plan.max_num_seqs,
             prefill_chunk=prefill_chunk,
             disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
+            prefix_cache_blocks=self.memory_plan.prefix_cache_blocks,
+            prefix_block_size=self.memory_plan.prefix_block_size,
         )
         self._ids = itertools.count()
 
@@ -228,6 +235,11 @@ class LLM:
                     finished[out.request_id] = out
         return [finished[r] for r in order]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (as vLLM's): the next requests prefill their whole prompts."""
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.clear()
+
     def describe(self) -> dict[str, Any]:
         """What was loaded, how it speculates, and the memory each part takes."""
         info: dict[str, Any] = {
@@ -237,6 +249,7 @@ class LLM:
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization,
             "max_model_len": self.max_model_len,
+            "prefix_caching": self.engine.prefix_cache is not None,
             "load_time_s": round(self.load_time, 2),
             "memory_bytes": self.memory_plan.as_dict(),
             "speculative": None,

@@ -139,7 +139,7 @@ class _Server:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, messages)
         params = self._params(req, req.output_limit(), len(prompt_ids), "messages")
-        tracker = await self._submit(new_id("chatcmpl"), prompt_ids, params, "messages")
+        tracker = await self._submit(new_id("chatcmpl"), prompt_ids, params, "messages", req.cache_salt)
         return await self._answer(req, tracker, ChatRenderer)
 
     async def completion(self, req: CompletionRequest) -> Response:
@@ -147,7 +147,7 @@ class _Server:
         prompt = req.single_prompt()
         prompt_ids = await asyncio.to_thread(_completion_prompt_ids, self.engine.tokenizer, prompt)
         params = self._params(req, req.output_limit(), len(prompt_ids), "prompt")
-        tracker = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt")
+        tracker = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt", req.cache_salt)
         return await self._answer(req, tracker, CompletionRenderer)
 
     async def _answer(self, req, tracker: "_Tracker", renderer_type: type[Renderer]) -> Response:
@@ -195,11 +195,11 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
-    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt_param: str
-                      ) -> "_Tracker":
+    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                      cache_salt: str | None) -> "_Tracker":
         started = time.monotonic()
         try:
-            stream = await self.engine.add_request(request_id, prompt_ids, params)
+            stream = await self.engine.add_request(request_id, prompt_ids, params, cache_salt)
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
         except QueueFullError as e:

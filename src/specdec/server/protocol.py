@@ -108,6 +108,7 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: recorded by OpenAI, no effect on the output
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share prefixes
     # Declared so that their neutral values pass; see `unsupported_parameter`.
     n: int | None = None
     presence_penalty: float | None = None
@@ -200,10 +201,15 @@ class CompletionRequest(_SamplingRequest):
 # ---- responses ----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the prefix cache, not prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Response(BaseModel):
@@ -336,4 +342,5 @@ def _choice_fields(out: RequestOutput, token_ids: list[int] | None, final: bool)
 
 def _usage(out: RequestOutput) -> Usage:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.cached_tokens))
