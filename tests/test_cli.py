@@ -119,3 +119,22 @@ def test_generation_config_gives_the_defaults_of_parameters_requests_leave_out(t
                 ["--override-generation-config", '{"tempreature": 1}']):
         with pytest.raises(ValueError):
             generation_defaults(parse(bad), tmp_path)
+
+
+def test_prefix_caching_is_on_unless_turned_off_and_lasts_across_generate_calls(tiny_gguf):
+    """`serve` caches prefixes (in what the memory budget leaves) unless `--no-enable-prefix-caching`; the LLM's
+    cache outlives a `generate` call, and `reset_prefix_cache` empties it."""
+    from specdec.config import SamplingParams
+
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    llm = load_for_serving(parser.parse_args([tiny_gguf, "--memory-utilization", "0.02"]), tiny_gguf, None)
+    assert llm.memory_plan.prefix_cache_blocks > 0 and llm.engine.prefix_cache is not None
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = "a quick brown fox jumps over the lazy dog"  # 41 byte tokens: 2 whole blocks before the last
+    first, again = (llm.generate(prompt, params)[0] for _ in range(2))
+    assert (first.metrics.cached_tokens, again.metrics.cached_tokens) == (0, 32)
+    assert again.token_ids == first.token_ids
+    llm.reset_prefix_cache()
+    assert llm.generate(prompt, params)[0].metrics.cached_tokens == 0
+    off = load_for_serving(parser.parse_args([tiny_gguf, "--no-enable-prefix-caching"]), tiny_gguf, None)
+    assert off.memory_plan.prefix_cache_blocks == 0 and off.engine.prefix_cache is None

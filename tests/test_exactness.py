@@ -170,3 +170,18 @@ def test_tree_nodes_get_the_bits_of_their_path_decoded_alone(pair):
                 logits = model(torch.tensor([[token]]), torch.tensor([[L + d]]), alone)[0, 0]
                 alone.advance(0, 1)
             assert torch.equal(tree_logits[i + 1], logits), (L, i)
+
+
+def test_a_second_chat_turn_from_the_prefix_cache_is_bit_exact(pair):
+    """Two turns of a chat through `LLM.chat` (the draft model drafting): the second finds the first's prompt
+    and the start of its answer (K/V computed by verification passes) in the prefix cache, and samples
+    (seeded), bit for bit, what it samples after `reset_prefix_cache`, from a cold prefill of target and draft."""
+    turn1 = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    first = pair.chat(turn1, SamplingParams(temperature=0, max_tokens=16))[0]
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Add a docstring."}]
+    params = SamplingParams(temperature=0.8, max_tokens=8, seed=0)
+    hit = pair.chat(turn2, params)[0]
+    pair.reset_prefix_cache()
+    cold = pair.chat(turn2, params)[0]
+    assert cold.metrics.cached_tokens == 0 and hit.metrics.cached_tokens > len(first.prompt_token_ids)
+    assert hit.token_ids == cold.token_ids and hit.metrics.num_drafts > 0

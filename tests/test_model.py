@@ -184,3 +184,35 @@ def test_rows_do_not_depend_on_how_many_are_computed_together():
         logits[width] = torch.cat(rows)
     for width in (2, 3, 6, 9):
         assert torch.equal(logits[width], logits[1]), width
+
+
+def test_a_query_attends_as_decoding_it_alone_whatever_the_pass_at_long_contexts():
+    """Attention of 6, 8, 13 or 40 queries in one pass, in two rows of 3000 and 600 keys: each query gets the
+    bits of decoding it alone (one query, over its own key blocks). Regression: bf16 matmuls over several
+    queries, or over more (masked) key blocks, took other kernels from ~600 keys on, so a verified token's K/V
+    differed from its prefilled K/V, which a prefix-cache hit then reused (a greedy token flipped)."""
+    from specdec.config import ModelConfig
+    from specdec.models.llama import KEY_BLOCK, Attention
+
+    config = ModelConfig("Qwen2ForCausalLM", 97, 768, 128, 1, num_attention_heads=6, num_key_value_heads=1,
+                         head_dim=128)  # the 1.5B's kv-head groups: 6 queries of 128 per key head
+    attn = Attention(config, 0)
+    gen = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(2, 1, 3072, 128, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(2, 40, 6, 128, generator=gen).bfloat16()
+    lengths = [3000, 600]
+    blocks = lambda n: -(-n // KEY_BLOCK) * KEY_BLOCK  # noqa: E731
+
+    def visible(length: int, T: int, S: int) -> torch.Tensor:  # [T, S]: query t sees slots <= length + t
+        return torch.arange(S)[None, :] <= length + torch.arange(T)[:, None]
+
+    for T in (6, 8, 13, 40):
+        S = blocks(max(lengths) + T)
+        mask = torch.stack([visible(n, T, S) for n in lengths])
+        out = attn._exact_attention(q[:, :T], keys[:, :, :S], values[:, :, :S], mask)
+        for b, n in enumerate(lengths):
+            for t in range(T):
+                s = blocks(n + t + 1)
+                alone = attn._exact_attention(q[b:b + 1, t:t + 1], keys[b:b + 1, :, :s], values[b:b + 1, :, :s],
+                                              visible(n + t, 1, s)[None])
+                assert torch.equal(out[b, t], alone[0, 0]), (T, b, t)

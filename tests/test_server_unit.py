@@ -3,7 +3,9 @@
 `FakeEngine` implements the `Engine` interface (add_request / abort_request / has_unfinished_requests /
 num_queued / step) over a byte-level tokenizer: every request answers `reply_for(prompt)` followed by EOS, a few tokens
 per step, and records speculative counters as a K=3 draft of which 2 tokens are accepted. A prompt
-containing "BOOM" makes `step` raise. The server runs under uvicorn in a thread, on a free local port.
+containing "BOOM" makes `step` raise. With `prefix_caching`, a prompt it has seen before with the same
+`cache_salt` counts all its tokens but the last as cached. The server runs under uvicorn in a thread, on a
+free local port.
 """
 
 from __future__ import annotations
@@ -84,9 +86,11 @@ def first_tokens(text: str, n: int) -> str:
 
 class FakeEngine:
     def __init__(self, max_model_len: int = 256, tokens_per_step: int = 3, step_delay: float = 0.0,
-                 max_batch_size: int = 1):
+                 max_batch_size: int = 1, prefix_caching: bool = False):
         self.tokenizer = ByteTokenizer()
         self.vocab_size = self.tokenizer.vocab_size
+        self.prefix_caching = prefix_caching
+        self.seen: set[tuple] = set()  # (cache_salt, prompt) of every request, with prefix_caching
         self.max_model_len = max_model_len
         self.tokens_per_step, self.step_delay, self.max_batch_size = tokens_per_step, step_delay, max_batch_size
         self.metrics = SpecMetrics()
@@ -95,15 +99,19 @@ class FakeEngine:
         self._aborted: set[str] = set()
         self.aborted_ids: list[str] = []  # for tests: every request ended by abort
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         n = len(prompt_token_ids)
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"context is {self.max_model_len} tokens, {n + params.max_tokens} requested")
+        key = (cache_salt, tuple(prompt_token_ids))
+        cached = n - 1 if self.prefix_caching and key in self.seen else 0
+        self.seen.add(key)
         prompt = self.tokenizer.decode(prompt_token_ids)
         answer = list(reply_for(prompt).encode()) + [EOS]
         self.waiting.append(dict(id=request_id, prompt=list(prompt_token_ids), params=params, answer=answer,
                                  out=[], text="", emitted=0, detok=IncrementalDetokenizer(self.tokenizer),
-                                 metrics=SpecMetrics(prompt_tokens=n), boom="BOOM" in prompt))
+                                 metrics=SpecMetrics(prompt_tokens=n, cached_tokens=cached), boom="BOOM" in prompt))
 
     def abort_request(self, request_id: str) -> None:
         self._aborted.add(request_id)
@@ -268,7 +276,7 @@ def test_chat_completion(client):
     prompt_len = len(b"<user>hi\n<assistant>")
     completion_len = len(expected_chat_reply().encode()) + 1  # EOS included
     assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": completion_len,
-                             "total_tokens": prompt_len + completion_len}
+                             "total_tokens": prompt_len + completion_len, "prompt_tokens_details": {"cached_tokens": 0}}
     spec = body["specdec"]
     assert spec["num_drafts"] == spec["target_passes"] and spec["num_draft_tokens"] == 3 * spec["num_drafts"]
     assert spec["emitted_tokens"] == completion_len
@@ -346,7 +354,8 @@ def test_n_choices_and_several_prompts(client):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["message"]["content"] == first_tokens(expected_chat_reply(), 5) for c in body["choices"])
     prompt_tokens = len(chat_prompt_text("hi").encode())
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 15, "total_tokens": prompt_tokens + 15}
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 15, "total_tokens": prompt_tokens + 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     r = client.post("/v1/completions", json={"prompt": ["ab", "abcd"], "n": 2, "max_tokens": 40})
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
@@ -394,8 +403,8 @@ def test_tokenize_and_detokenize(client):
 
 def test_generation_config_defaults_fill_what_requests_leave_out():
     class Recording(FakeEngine):
-        def add_request(self, request_id, prompt_token_ids, params):
-            super().add_request(request_id, prompt_token_ids, params)
+        def add_request(self, request_id, prompt_token_ids, params, cache_salt=None):
+            super().add_request(request_id, prompt_token_ids, params, cache_salt)
             self.params = params
 
     defaults = {"temperature": 0.3, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 7}
@@ -666,6 +675,35 @@ def test_metrics_move_by_the_right_amounts(client):
     assert delta("specdec:request_time_per_output_token_seconds_count") == 1
     assert delta("specdec:http_requests_total", method="POST", path="/v1/chat/completions", status="200") == 1
     assert after[("specdec:num_requests_running", ())] == 0
+
+
+def test_cached_prompt_tokens_in_usage_and_metrics_per_cache_salt():
+    """The engine's cached tokens reach `usage.prompt_tokens_details.cached_tokens` (streamed usage too) and
+    vLLM's prefix-cache counters; `cache_salt` reaches the engine, and an empty salt is refused."""
+    with LiveServer(FakeEngine(prefix_caching=True)) as server, httpx.Client(base_url=server.url, timeout=20) as c:
+        def cached(**kw) -> int:
+            return c.post("/v1/chat/completions", json=chat_body("cache me", **kw)).json()["usage"][
+                "prompt_tokens_details"]["cached_tokens"]
+
+        n = len(b"<user>cache me\n<assistant>")
+        before = scrape(c)
+        assert [cached(), cached(), cached(cache_salt="t1"), cached(cache_salt="t1"), cached(cache_salt="t2")] == \
+            [0, n - 1, 0, n - 1, 0]
+        after = scrape(c)
+        delta = lambda name: after[(name, ())] - before.get((name, ()), 0)  # noqa: E731
+        assert delta("specdec:prefix_cache_queries_total") == 5 * n
+        assert delta("specdec:prefix_cache_hits_total") == 2 * (n - 1)
+        with c.stream("POST", "/v1/completions", json={"prompt": "cache me", "stream": True, "max_tokens": 3,
+                                                        "stream_options": {"include_usage": True}}) as r:
+            r.read()
+        with c.stream("POST", "/v1/completions", json={"prompt": "cache me", "stream": True, "max_tokens": 3,
+                                                        "stream_options": {"include_usage": True}}) as r:
+            usage = json.loads([line for line in r.iter_lines() if line.startswith("data: {")][-1][6:])["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": len(b"cache me") - 1}
+        # n choices share their prompt: what the first prefilled is not cached, though the others found it
+        assert [cached(cache_salt="n", n=3), cached(cache_salt="n", n=3)] == [0, n - 1]
+        r = c.post("/v1/chat/completions", json=chat_body("x", cache_salt=""))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
 def test_metrics_count_errors(client):

@@ -180,8 +180,8 @@ class SayEngine(FakeEngine):
         self.tokenizer = QwenTemplateBytes()
         self.say, self.prompts, self.params = "", [], []
 
-    def add_request(self, request_id, prompt_token_ids, params) -> None:
-        super().add_request(request_id, prompt_token_ids, params)
+    def add_request(self, request_id, prompt_token_ids, params, cache_salt=None) -> None:
+        super().add_request(request_id, prompt_token_ids, params, cache_salt)
         self.waiting[-1]["answer"] = list(self.say.encode()) + [EOS]
         self.prompts.append(self.tokenizer.decode(prompt_token_ids))
         self.params.append(params)

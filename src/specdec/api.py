@@ -4,6 +4,9 @@
                       speculative_model="qwen2.5-coder-0.5b-instruct", num_speculative_tokens=5)
     out = llm.generate(["def quicksort(arr):"], specdec.SamplingParams(temperature=0, max_tokens=64))
     print(out[0].text, out[0].metrics.mean_acceptance_length)
+
+Prefixes are cached across calls (`enable_prefix_caching`, on by default): a conversation sent again with
+one more turn prefills only what is new (`out[0].metrics.cached_tokens` tells how much was not).
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ class LLM:
         max_num_seqs: int = 1,
         memory_utilization: float = 0.9,
         prefill_chunk: int = 512,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.quantization = resolve_quantization(quantization, self.device)
@@ -143,15 +147,18 @@ class LLM:
             max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
             draft_label="heads" if self.heads is not None else "draft",
+            prefix_caching=enable_prefix_caching,
         )
         proposer = self._build_proposer(self.spec, self.draft_model, self.heads, self.memory_plan.max_num_seqs)
-        self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk)
+        self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
+                                   self.memory_plan.prefix_cache_blocks)
         self._ids = itertools.count()
 
     def engine_for(self, spec: SpeculativeConfig | None) -> Engine:
         """A new one-sequence engine on this LLM's target and tokenizer that speculates as `spec` says (None:
         plain decoding), with its own draft model or heads: how `specdec bench` compares methods on one
-        loaded target. Its `proposer.memory_bytes` is the memory that drafting adds.
+        loaded target (without a prefix cache: each method prefills its prompts). Its `proposer.memory_bytes` is
+        the memory that drafting adds.
 
             llm = LLM("qwen2.5-coder-1.5b-instruct")
             ngram = llm.engine_for(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
@@ -159,7 +166,8 @@ class LLM:
         proposer = self._build_proposer(spec, self._load_draft(spec), self._load_heads(spec), 1)
         return self._engine(spec, proposer, 1)
 
-    def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512) -> Engine:
+    def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
+                prefix_cache_blocks: int = 0) -> Engine:
         return Engine(
             self.target,
             self.tokenizer,
@@ -170,6 +178,8 @@ class LLM:
             max_batch_size=max_num_seqs,
             prefill_chunk=prefill_chunk,
             disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+            prefix_cache_blocks=prefix_cache_blocks,
+            prefix_block_size=self.memory_plan.prefix_block_size,
         )
 
     def _load_draft(self, spec: SpeculativeConfig | None) -> Transformer | None:
@@ -258,6 +268,11 @@ class LLM:
             results.append(best[0])
         return results
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (as vLLM's): the next requests prefill their whole prompts."""
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.clear()
+
     def describe(self) -> dict[str, Any]:
         """What was loaded, how it speculates, and the memory each part takes."""
         info: dict[str, Any] = {
@@ -267,6 +282,7 @@ class LLM:
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization,
             "max_model_len": self.max_model_len,
+            "prefix_caching": self.engine.prefix_cache is not None,
             "load_time_s": round(self.load_time, 2),
             "memory_bytes": self.memory_plan.as_dict(),
             "speculative": None,

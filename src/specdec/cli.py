@@ -23,6 +23,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--memory-utilization", type=float, default=0.9,
                         help="fraction of device (GPU) or system (CPU) memory specdec may use")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the KV of prompt prefixes for later requests (default: on)")
 
 
 def build_llm(args: argparse.Namespace, model: str, max_batch_size: int = 1):
@@ -43,6 +45,7 @@ def build_llm(args: argparse.Namespace, model: str, max_batch_size: int = 1):
         device=args.device,
         max_num_seqs=max_batch_size,
         memory_utilization=args.memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -17,6 +17,9 @@ alone, with finish_reason "abort" and `RequestOutput.error`, while the rest of t
 had never been there. A draft the target pass cannot take (ids outside the vocabulary) is replaced by an
 empty one. Only the shared target pass and the proposer, where no one sequence can be blamed, fail the
 whole step.
+With a prefix cache (`prefix_cache_blocks` > 0), a joining sequence first copies the longest cached prefix of
+its prompt into its row (the target's K/V and the draft's; see `specdec.prefix_cache`) and prefills only the
+rest; a sequence's whole blocks are saved when its prompt is in and again when it leaves.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from specdec.config import SamplingParams
 from specdec.metrics import SpecMetrics
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.outputs import RequestOutput, TokenLogprob
+from specdec.prefix_cache import BLOCK_SIZE, PrefixCache
 from specdec.sampling import logprob_rows, make_generator, process_logits, process_rows, sample
 from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK
@@ -66,6 +70,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
     matcher: GrammarMatcher | None = None  # with params.response_format: the grammar's state
     error: str | None = None  # why the engine failed it (finish_reason "abort")
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes
 
     @property
     def num_output(self) -> int:
@@ -88,6 +93,8 @@ class Engine:
         max_batch_size: int = 1,
         prefill_chunk: int = 512,
         disable_by_batch_size: int | None = None,
+        prefix_cache_blocks: int = 0,
+        prefix_block_size: int = BLOCK_SIZE,
     ) -> None:
         self.target = target
         self.vocab_size = target.config.vocab_size  # the width of its logits
@@ -116,9 +123,16 @@ class Engine:
         self._failed: list[Sequence] = []  # failed in this step (`_isolated`), reported at its end
         self._sync = target.device.type == "cuda"
         self._needs_hidden = bool(getattr(proposer, "needs_hidden", False))
+        # proposers with K/V of their own (a draft model, EAGLE) have them cached with the target's
+        self._draft_kv = getattr(proposer, "kv_shift", None) is not None
+        self.prefix_cache = None
+        if prefix_cache_blocks > 0:
+            caches = {"target": self.cache, **({"draft": proposer.cache} if self._draft_kv else {})}
+            self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size)
 
     # ----------------------------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -148,6 +162,7 @@ class Engine:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             matcher=grammar.matcher() if grammar is not None else None,
+            cache_salt=cache_salt,
         )
         seq.metrics.prompt_tokens = n
         self.waiting.append(seq)
@@ -420,6 +435,10 @@ class Engine:
                 self.prefilling = self.waiting.popleft()
                 self.prefilling.row = len(self.running)
                 self._free_row(self.prefilling.row)  # empty already (rows past the batch are freed); made sure
+                if self.prefix_cache is not None and self._isolated(
+                        self.prefilling, self._restore_prefix, self.prefilling) is None:
+                    self._release(self.prefilling)
+                    continue
             seq = self.prefilling
             fed = self._isolated(seq, self._prefill_chunk, seq, budget)
             if fed is None:
@@ -430,6 +449,8 @@ class Engine:
                 return  # the budget is spent
             self.prefilling = None
             self.running.append(seq)  # its row is len(running) before the append: the batch stays packed
+            if self.prefix_cache is not None:  # sequences joining later may share its prompt already
+                self._save_prefix(seq)
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
         """Feed the next at most `budget` prompt tokens of `seq` (in its own row); returns how many."""
@@ -454,11 +475,65 @@ class Engine:
         seq.metrics.prefill_time += t1 - t0
         self.costs.record_prefill("target", stop - start, t1 - t0)
         if hasattr(self.proposer, "prefill") and self._draft_reads_prompt(seq, start):  # a draft model reads it too
-            read = self.proposer.prefill(seq, start, stop)
-            t2 = self._now()
-            seq.metrics.draft_time += t2 - t1
-            self.costs.record_prefill("draft", read, t2 - t1)
+            self._draft_prefill(seq, start, stop)
         return stop - start
+
+    def _draft_prefill(self, seq: Sequence, start: int, stop: int) -> None:
+        """A draft model reads prompt tokens [start, stop) of `seq` (counted as draft time)."""
+        t0 = self._now()
+        read = self.proposer.prefill(seq, start, stop)
+        t1 = self._now()
+        seq.metrics.draft_time += t1 - t0
+        self.costs.record_prefill("draft", read, t1 - t0)
+
+    def _restore_prefix(self, seq: Sequence) -> int:
+        """Start `seq` from the longest cached prefix of its prompt but the last token, in whole blocks: the
+        target's K/V are copied into its row, and the draft is left as a prefill of that prefix leaves it.
+        Returns how many prompt tokens it skips.
+
+        - A request with `prompt_logprobs` is never started from the cache: its prompt's logits are wanted
+          (vLLM does the same).
+
+        - A draft model gets the blocks it has cached (possibly fewer: it had restarted on a window) and reads
+          the rest itself, if it reads this prompt at all (`_draft_reads_prompt`); otherwise it gets nothing,
+          as when it skips a prompt.
+        - Proposers on the target's features need the feature of the token before the first one they are
+          handed: the target recomputes the prefix's last token (EAGLE's cached pairs end just before it).
+          EAGLE's cached blocks bound the prefix, its pairs being what cannot be recomputed without the
+          features of the whole prefix.
+
+        Example, block size 16, a 40-token prompt of which 32 are cached: plain decoding and draft models
+        prefill tokens 32..38; Medusa and EAGLE prefill tokens 31..38.
+        """
+        if seq.prompt_logprobs is not None:
+            return 0
+        pc, row = self.prefix_cache, seq.row
+        chain = pc.lookup(pc.keys(seq.prompt_ids[:-1], seq.cache_salt))
+        if self._draft_kv and self._needs_hidden:
+            chain = chain[:pc.held("draft", chain)]
+        if not chain:
+            return 0
+        cached = pc.load("target", chain, self.cache, row)
+        if self._needs_hidden:
+            cached -= 1
+            self.cache.truncate(row, cached)
+            if self._draft_kv:
+                pc.load("draft", chain, self.proposer.cache, row, self.proposer.kv_shift)
+        elif self._draft_kv:
+            held = chain[:pc.held("draft", chain)]
+            if self._draft_reads_prompt(seq, len(held) * pc.block_size):
+                self._draft_prefill(seq, pc.load("draft", held, self.proposer.cache, row), cached)
+        seq.metrics.cached_tokens = cached
+        return cached
+
+    def _save_prefix(self, seq: Sequence) -> None:
+        """Save the whole blocks of `seq` that its row holds: the target's, and the draft's as far as they go."""
+        pc, row = self.prefix_cache, seq.row
+        keys = pc.keys(seq.tokens[:self.cache.lengths[row]], seq.cache_salt)  # (it may hold tokens past a stop)
+        pc.save("target", keys, self.cache, row)
+        if self._draft_kv:
+            drafted = self.proposer.cached_tokens(row) // pc.block_size
+            pc.save("draft", keys[:drafted], self.proposer.cache, row, self.proposer.kv_shift)
 
     def _draft_reads_prompt(self, seq: Sequence, start: int) -> bool:
         """Whether a draft model should read the prompt of `seq` from token `start` on (otherwise a later
@@ -482,6 +557,8 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """Free the row of `seq` (running or being prefilled), keeping rows packed: the last running sequence
         takes the freed row and the sequence being prefilled, if any, the row after the running ones."""
+        if self.prefix_cache is not None and seq.error is None:  # (a failed sequence's row may be half-written)
+            self._save_prefix(seq)
         if seq is self.prefilling:
             self.prefilling = None
             self._free_row(seq.row)

@@ -2,10 +2,13 @@
 
 `--memory-utilization F` is the fraction of device memory (GPU) or of system memory (CPU) specdec may
 use, as vLLM's `--gpu-memory-utilization`. Every running sequence reserves `max_model_len` slots in the
-target's cache and in the draft's, so the budget decides how many sequences run at once.
+target's cache and in the draft's, so the budget decides how many sequences run at once. With prefix
+caching, what the running sequences leave of the budget holds cached prefixes (blocks of the target's and
+the draft's K/V; see `specdec.prefix_cache`).
 
 Example: budget 10 GiB, weights 2.0 + 0.7 GiB, KV 28 KiB/token (target) + 12 KiB/token (draft),
-max_model_len 4096 -> 160 MiB a sequence -> min(requested, 46) sequences.
+max_model_len 4096 -> 160 MiB a sequence -> min(requested, 46) sequences. Requesting 8 leaves
+7.3 - 1.25 = 6.05 GiB for the prefix cache: 9912 blocks of 16 tokens (640 KiB each).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from specdec.prefix_cache import BLOCK_SIZE
 
 GiB = 1024 ** 3
 
@@ -39,6 +44,8 @@ class MemoryPlan:
     max_model_len: int
     max_num_seqs: int
     draft_label: str = "draft"  # what drafts: "draft" (a model) or "heads" (Medusa, EAGLE)
+    prefix_cache_blocks: int = 0  # blocks of `prefix_block_size` tokens (0: no prefix caching)
+    prefix_block_size: int = BLOCK_SIZE
 
     @property
     def kv_tokens(self) -> int:
@@ -52,24 +59,32 @@ class MemoryPlan:
     def draft_kv(self) -> int:
         return self.kv_tokens * self.draft_kv_per_token
 
+    @property
+    def prefix_cache(self) -> int:
+        return self.prefix_cache_blocks * self.prefix_block_size * (self.target_kv_per_token + self.draft_kv_per_token)
+
     def as_dict(self) -> dict[str, int]:
         return {
             "budget": self.budget, "target_weights": self.target_weights, "draft_weights": self.draft_weights,
             "target_kv": self.target_kv, "draft_kv": self.draft_kv, "kv_tokens": self.kv_tokens,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+            "prefix_cache": self.prefix_cache, "prefix_cache_blocks": self.prefix_cache_blocks,
         }
 
     def report(self) -> str:
         def gib(n: int) -> str:
             return f"{n / GiB:7.3f} GiB"
 
-        used = self.target_weights + self.draft_weights + self.target_kv + self.draft_kv
+        used = self.target_weights + self.draft_weights + self.target_kv + self.draft_kv + self.prefix_cache
+        prefix = f"{self.prefix_cache_blocks} blocks of {self.prefix_block_size} tokens" if self.prefix_cache_blocks \
+            else "off"
         return "\n".join([
             f"memory budget      {gib(self.budget)}",
             f"  target weights   {gib(self.target_weights)}",
             f"  {self.draft_label + ' weights':17}{gib(self.draft_weights)}",
             f"  target KV cache  {gib(self.target_kv)}  ({self.target_kv_per_token} B/token)",
             f"  {self.draft_label + ' KV cache':17}{gib(self.draft_kv)}  ({self.draft_kv_per_token} B/token)",
+            f"  prefix cache     {gib(self.prefix_cache)}  ({prefix})",
             f"  total            {gib(used)}",
             f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.max_model_len} tokens",
         ])
@@ -84,8 +99,10 @@ def plan_memory(
     max_model_len: int,
     max_num_seqs: int,
     draft_label: str = "draft",
+    prefix_caching: bool = False,
 ) -> MemoryPlan:
-    """Fit weights, then as many sequences (up to `max_num_seqs`) of `max_model_len` tokens as remain room."""
+    """Fit weights, then as many sequences (up to `max_num_seqs`) of `max_model_len` tokens as remain room, then
+    (with `prefix_caching`) as many prefix-cache blocks as the rest holds."""
     weights = target_weights + draft_weights
     if weights > budget:
         raise MemoryBudgetError(
@@ -101,5 +118,9 @@ def plan_memory(
             f"{(budget - weights) / GiB:.3f} GiB, less than the KV cache of one sequence of {max_model_len} "
             f"tokens ({per_seq / GiB:.3f} GiB); lower --max-model-len or raise --memory-utilization"
         )
+    num_seqs = int(min(max_num_seqs, fits))
+    blocks = 0
+    if prefix_caching:
+        blocks = (budget - weights - num_seqs * per_seq) // (BLOCK_SIZE * (target_kv_per_token + draft_kv_per_token))
     return MemoryPlan(budget, target_weights, draft_weights, target_kv_per_token, draft_kv_per_token,
-                      max_model_len, int(min(max_num_seqs, fits)), draft_label)
+                      max_model_len, num_seqs, draft_label, int(blocks))

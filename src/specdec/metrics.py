@@ -25,6 +25,7 @@ class SpecMetrics:
     target_passes: int = 0  # verification/decoding passes of the target (prefill excluded)
     emitted_tokens: int = 0  # tokens produced by those passes
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     prefill_time: float = 0.0  # seconds
     draft_time: float = 0.0
     target_time: float = 0.0
@@ -47,7 +48,7 @@ class SpecMetrics:
 
     def merge(self, other: "SpecMetrics") -> None:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_passes", "emitted_tokens",
-                     "prompt_tokens"):
+                     "prompt_tokens", "cached_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("prefill_time", "draft_time", "target_time", "total_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -84,6 +85,7 @@ class SpecMetrics:
             "target_passes": self.target_passes,
             "emitted_tokens": self.emitted_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "prefill_time_s": round(self.prefill_time, 4),
             "draft_time_s": round(self.draft_time, 4),
             "target_time_s": round(self.target_time, 4),

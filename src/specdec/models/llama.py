@@ -4,11 +4,13 @@
 of its T new tokens into the cache slots just past each row's committed length and attends over the
 committed prefix plus those new slots, as `mask` allows. The engine alone commits or rolls back.
 
-Attention on CPU is computed as bf16 matmuls with an fp32 softmax (as transformers' eager path does).
-Unlike `F.scaled_dot_product_attention`, whose CPU kernels block the work by query and key counts, this
-gives every query row the same bits whatever the number of rows, the key length or the batch it is
-computed in; so a target that verifies 6 tokens at once rounds exactly like one that decodes 1 (see
-`tests/test_exactness.py`). On CUDA, `F.scaled_dot_product_attention` is used with the same mask.
+Attention on CPU is computed as bf16 matmuls with an fp32 softmax (as transformers' eager path does), in
+calls of one shape per key count (`Attention._exact_attention`). Unlike `F.scaled_dot_product_attention`,
+whose CPU kernels block the work by query and key counts, this gives every query row the same bits whatever
+the number of rows, the key length or the batch it is computed in; so a target that verifies 6 tokens at
+once rounds exactly like one that decodes 1, and a prefix restored from the prefix cache is what prefilling
+it would write (see `tests/test_exactness.py`). On CUDA, `F.scaled_dot_product_attention` is used with the
+same mask.
 """
 
 from __future__ import annotations
@@ -26,6 +28,19 @@ from specdec.kernels import qgemm
 
 
 KEY_BLOCK = 64  # attention key length granularity; KV cache capacities are multiples of it
+QUERY_BLOCK = 8  # queries per attention matmul on CPU (padded): one shape per key count (see `_exact_attention`)
+
+
+def _runs(values: list[int], size: int) -> list[list[int]]:
+    """Indices of runs of equal consecutive values, cut every `size` indices: _runs([5, 5, 5, 7], 2) ->
+    [[0, 1], [2], [3]]."""
+    runs: list[list[int]] = []
+    for i, v in enumerate(values):
+        if runs and values[runs[-1][0]] == v and len(runs[-1]) < size:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def attention_inputs(
@@ -188,18 +203,37 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
     def _exact_attention(self, q, keys, values, mask):
-        """Row-invariant attention: bf16/fp32 matmuls per kv-head group, softmax in fp32.
+        """Row-invariant attention: a query's bits do not depend on the pass that computes it (how many queries,
+        which batch rows, how many key slots the pass holds). Every matmul has one shape for a given key count:
+        QUERY_BLOCK queries (padded) of one row, over the key slots up to their last visible one in whole
+        KEY_BLOCKs; bf16 matmuls, softmax in fp32. A matmul over more queries, or over more (masked) key blocks,
+        may take another kernel and round differently (bf16, from ~600 keys on: a verified token's K/V then
+        differed from its prefilled K/V, which a prefix-cache hit reuses).
+
+        Example: a 6-token pass after 700 committed tokens makes two calls, queries 0..3 over 704 slots and
+        queries 4..5 over 768, each padded to QUERY_BLOCK queries: the calls that decoding tokens 700..705 one
+        at a time makes, query for query.
 
         q: [B, T, H, D]; keys, values: [B, KV, S, D]; mask: [B, T, S]. Returns [B, T, H, D].
         """
         B, T, H, D = q.shape
-        G = H // self.num_kv_heads
-        qg = q.view(B, T, self.num_kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, self.num_kv_heads, G * T, D)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (D ** -0.5)  # [B, KV, G*T, S]
-        scores = scores.view(B, self.num_kv_heads, G, T, -1).masked_fill(~mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(B, self.num_kv_heads, G * T, -1)
-        out = torch.matmul(probs, values)  # [B, KV, G*T, D]
-        return out.view(B, self.num_kv_heads, G, T, D).permute(0, 3, 1, 2, 4)
+        KV, Q = self.num_kv_heads, QUERY_BLOCK
+        seen = (mask * torch.arange(1, mask.shape[-1] + 1, device=mask.device)).amax(-1)  # [B, T] last visible + 1
+        slots = (-(-seen // KEY_BLOCK) * KEY_BLOCK).tolist()
+        out = q.new_empty(B, T, H, D)
+        for b in range(B):
+            for ts in _runs(slots[b], Q):  # queries of row b with the same key count, Q at most
+                s, n = slots[b][ts[0]], len(ts)
+                qs = q.new_zeros(Q, KV, H // KV, D)
+                qs[:n] = q[b, ts].view(n, KV, H // KV, D)
+                visible = mask[b, ts[:1] * Q, :s].clone()  # [Q, s]: pads see what the first query sees
+                visible[:n] = mask[b, ts, :s]
+                scores = torch.matmul(qs.transpose(0, 1).flatten(1, 2), keys[b, :, :s].transpose(-1, -2)).float()
+                scores = (scores * D ** -0.5).view(KV, Q, -1, s).masked_fill(~visible[None, :, None], float("-inf"))
+                probs = torch.softmax(scores, dim=-1).to(q.dtype).flatten(1, 2)  # [KV, Q * G, s]
+                heads = torch.matmul(probs, values[b, :, :s]).view(KV, Q, -1, D)[:, :n]  # [KV, n, G, D]
+                out[b, ts] = heads.transpose(0, 1).reshape(n, H, D)
+        return out
 
     def _exact_tree_attention(self, q, keys, values, mask, key_index):
         """Attention of tree nodes, each over its own keys gathered into the layout of a chain.

@@ -163,7 +163,7 @@ class _Server:
                                              special_text=self.special_text)
         params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs(),
                                     response_format=req.tool_call_format())
-        request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages")
+        request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages", req.cache_salt)
         return await self._answer(req, request, ChatRenderer, tool_parser=tool_parser)
 
     async def completion(self, req: CompletionRequest) -> Response:
@@ -173,7 +173,7 @@ class _Server:
         echo_logprobs = req.logprobs if req.echo else None
         params = await self._params(req, req.output_limit(), prompt_ids, "prompt", logprobs=req.logprobs,
                                     prompt_logprobs=echo_logprobs)
-        request = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt")
+        request = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt", req.cache_salt)
         return await self._answer(req, request, CompletionRenderer)
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
@@ -265,8 +265,8 @@ class _Server:
                 raise APIError(400, str(e), param="response_format", code="invalid_value") from None
         return params
 
-    async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, prompt_param: str
-                      ) -> "_Request":
+    async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, prompt_param: str,
+                      cache_salt: str | None = None) -> "_Request":
         """One engine request per sequence: `fan_out(params)` of them for each prompt."""
         request = _Request(request_id, prompt_ids, params)
         try:
@@ -274,7 +274,7 @@ class _Server:
                 for j, seq_params in enumerate(fan_out(params)):
                     sub_id = request_id if len(prompt_ids) == 1 and j == 0 else f"{request_id}-{i}-{j}"
                     started = time.monotonic()
-                    stream = await self.engine.add_request(sub_id, ids, seq_params)
+                    stream = await self.engine.add_request(sub_id, ids, seq_params, cache_salt)
                     request.trackers[i].append(_Tracker(stream, seq_params, started, self.metrics))
         except BaseException as e:
             request.close()

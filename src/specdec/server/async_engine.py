@@ -72,6 +72,7 @@ class _Add:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass
@@ -168,14 +169,16 @@ class AsyncEngine:
         alive = self._thread.is_alive() if self.own_thread else not self._done.is_set()
         return alive and not self._stopping
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine took it. Raises ValueError (e.g. too long for the
         context) if the engine refused it, QueueFullError if too many requests wait already,
         EngineStoppedError if the engine is shutting down."""
         if not self.healthy:
             raise EngineStoppedError("the engine is shutting down" if self._stopping else "the engine is not running")
         outputs: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), outputs))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), outputs,
+                             cache_salt))
         stream = RequestStream(self, request_id, outputs)
         try:
             first = await outputs.get()
@@ -260,7 +263,8 @@ class AsyncEngine:
                     _send(cmd, QueueFullError(limit))
                     continue
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                            cache_salt=cmd.cache_salt)
                 except Exception as e:  # ValueError: refused (too long, bad params); answered to the caller
                     _send(cmd, e)
                     continue

@@ -79,6 +79,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="seed of the random generator that samples requests carrying no seed")
     parser.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="N",
                         help="prompt tokens read per engine step at most (chunked prefill; default 512)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the KV of finished requests' prefixes in what the memory budget leaves, so that a "
+                             "request resending them (the next turn of a conversation) prefills only the rest "
+                             "(default: on)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="a Jinja chat template (a file, or the template itself) instead of the model's")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -190,7 +194,7 @@ def load_for_serving(args: argparse.Namespace, target: str, draft: str | None):
                                   num_speculative_tokens=args.num_speculative_tokens,
                                   speculative_config=spec_config, dtype=args.dtype,
                                   quantization=args.quantization, max_model_len=args.max_model_len,
-                                  max_num_seqs=args.max_num_seqs)
+                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
     if args.memory_utilization is not None:
         kwargs["memory_utilization"] = args.memory_utilization
     if args.max_num_batched_tokens is not None:

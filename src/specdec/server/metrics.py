@@ -11,6 +11,9 @@ Speculative decoding (vLLM v1's `vllm:spec_decode_*`, same meanings; see `specde
 From these:  acceptance rate = accepted_tokens / draft_tokens,
              mean acceptance length = 1 + accepted_tokens / drafts   (vLLM's; the bonus token included).
 
+Prefix caching (vLLM's names and meanings): `specdec:prefix_cache_queries_total` (prompt tokens looked up) and
+`specdec:prefix_cache_hits_total` (those found cached); hit rate = hits / queries.
+
 Requests: `specdec:request_success_total{finished_reason}` (stop, length, abort), `specdec:prompt_tokens_total`,
 `specdec:generation_tokens_total`, histograms `specdec:time_to_first_token_seconds`,
 `specdec:request_time_per_output_token_seconds` (per request, (e2e - ttft) / (tokens - 1)),
@@ -55,6 +58,9 @@ class ServerMetrics:
                                         "Accepted tokens per draft position.", ("position",))
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.request_success = counter("request_success", "Count of finished requests.", ("finished_reason",))
         self.http_requests = counter("http_requests", "HTTP answers by route and status.", ("method", "path", "status"))
         self.running = Gauge("specdec:num_requests_running", "Requests in the engine (running or queued there).",
@@ -78,6 +84,8 @@ class ServerMetrics:
                 if prev is None:
                     prev = (0, 0, 0, [])
                     self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+                    self.prefix_cache_queries.labels(name).inc(len(out.prompt_token_ids))
+                    self.prefix_cache_hits.labels(name).inc(s.cached_tokens)
                 self.num_drafts.labels(name).inc(max(0, s.num_drafts - prev[0]))
                 self.num_draft_tokens.labels(name).inc(max(0, s.num_draft_tokens - prev[1]))
                 self.num_accepted_tokens.labels(name).inc(max(0, s.num_accepted_tokens - prev[2]))

@@ -196,6 +196,7 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: recorded by OpenAI, no effect on the output
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share prefixes
     n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -404,10 +405,15 @@ class DetokenizeRequest(_Strict):
 # ---- responses ----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the prefix cache, not prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Response(BaseModel):
@@ -515,10 +521,17 @@ class Renderer:
         return self._body([], None, usage=self.usage(choices), outs=[], streaming=True)
 
     def usage(self, choices: list[tuple[int, RequestOutput]]) -> Usage:
-        """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
-        prompt = sum({index // self.n: len(out.prompt_token_ids) for index, out in choices}.values())
+        """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice; cached
+        tokens once per prompt too: those none of its choices prefilled (the first to join may have prefilled
+        what the others then found cached)."""
+        prompt, cached = {}, {}
+        for index, out in choices:
+            prompt[index // self.n] = len(out.prompt_token_ids)
+            cached[index // self.n] = min(cached.get(index // self.n, out.metrics.cached_tokens), out.metrics.cached_tokens)
         completion = sum(len(out.token_ids) for _, out in choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return Usage(prompt_tokens=sum(prompt.values()), completion_tokens=completion,
+                     total_tokens=sum(prompt.values()) + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
     def _body(self, choices: list, metrics, usage: Usage | None, outs: list[RequestOutput], streaming: bool) -> dict:
         response_type = self.chunk_type if streaming else self.response_type

@@ -161,6 +161,8 @@ class EagleProposer(_FeatureProposer):
     feeds the pending pairs (committing them), then grows the tree depth by depth, each depth one pass of
     the head over all nodes so far with a tree mask (nodes never enter the head's cache)."""
 
+    kv_shift = 1  # slot s of a row holds the pair (feature of token s, token s + 1)
+
     def __init__(self, head, vocab_size: int, max_batch_size: int, capacity: int,
                  tree: TreeShape | DynamicTree | None = None, max_depth: int = 8) -> None:
         super().__init__(head, vocab_size, tree, max_depth)
@@ -173,6 +175,11 @@ class EagleProposer(_FeatureProposer):
 
     def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
         self._add_pending(seq.row, hidden)
+
+    def cached_tokens(self, row: int) -> int:
+        """Leading tokens of the sequence in `row` that the pairs in the head's cache were made of."""
+        n = self.cache.lengths[row]
+        return n + 1 if n else 0
 
     def _add_pending(self, row: int, hidden: torch.Tensor) -> None:
         self.pending[row] = hidden if row not in self.pending else torch.cat([self.pending[row], hidden])

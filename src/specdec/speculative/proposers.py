@@ -55,6 +55,10 @@ class Proposer(Protocol):
     @property
     def memory_bytes(self) -> int: ...
 
+    # Proposers with K/V of their own (a draft model, EAGLE) also have `cache` (a KVCache, a row per
+    # sequence), `kv_shift` (slot s of a row holds what tokens 0..s + kv_shift determine) and
+    # `cached_tokens(row)`: the prefix cache keeps those K/V with the target's, and restores them.
+
 
 class StatelessProposer:
     """A proposer that keeps nothing per sequence: verdicts, row moves and releases concern it not."""
@@ -120,6 +124,7 @@ class DraftModelProposer:
     """
 
     needs_hidden = False
+    kv_shift = 0  # slot s of a row holds the K/V of token s
 
     def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512,
                  window: int = 16) -> None:
@@ -135,6 +140,10 @@ class DraftModelProposer:
     def _consumed(self, row: int) -> int:
         """Tokens of the sequence in row `row` that the draft has seen (or skipped)."""
         return self.skipped.get(row, 0) + self.cache.lengths[row]
+
+    def cached_tokens(self, row: int) -> int:
+        """Leading tokens of the sequence in `row` whose K/V the draft cache holds (none after a restart)."""
+        return 0 if self.skipped.get(row) else self.cache.lengths[row]
 
     @property
     def memory_bytes(self) -> int:

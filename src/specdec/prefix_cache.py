@@ -1,0 +1,154 @@
+"""Automatic prefix caching: the K/V of token prefixes, kept after requests end, in blocks keyed by the prefix.
+
+A sequence's tokens are cut into blocks of `block_size`; block i is keyed by the chain hash (sha256, as
+vLLM) of the salt and of tokens[0 : (i + 1) * block_size], so equal keys mean equal whole prefixes, and a
+request with another `cache_salt` never shares a block. A block holds, for each cache saved into it (the
+target's, and the draft's: a draft model's or EAGLE's), the K/V of its slots, copied out of a row of that
+cache into a pool preallocated for `num_blocks` blocks; restoring copies a chain of blocks back into a row.
+The models' kernels give a token's K/V the same bits whatever pass computed it, so a restored prefix is
+exactly what prefilling it would have written.
+
+When the pool is full, saving evicts the least recently used block. Lookups and saves touch a chain from its
+last block to its first, so a chain loses its deepest blocks first and never a block its kept ones extend.
+
+Slot s of a row holds what tokens[0 : s + 1 + shift] determine: shift 0 for a model's K/V (token s's), 1
+for EAGLE's (its slot s pairs the feature of token s with token s + 1). Block i then holds slots
+[i * block_size - shift, (i + 1) * block_size - shift) of the row (slot -1 of block 0 is left unused).
+
+Example (block_size 4): a finished sequence [5 6 7 8 9 1 2 3 4 0] whose target cache holds its first 9
+tokens is saved as 2 blocks (tokens 0..7). A prompt [5 6 7 8 9 1 2 3 7 7] then finds both blocks (its
+first 9 tokens: 2 whole blocks, both cached): 8 slots are copied into its row and it prefills from token 8.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specdec.cache import KVCache
+
+BLOCK_SIZE = 16  # tokens per block (vLLM's default)
+
+
+@dataclass
+class Block:
+    id: int  # index in the pools
+    caches: set[str] = field(default_factory=set)  # the names of the caches saved into it
+
+
+def block_keys(tokens: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The key of each whole block of `tokens`: the chain hash of the salt and of every token up to the block's end.
+
+    Example: block_keys([1, 2, 3, 4, 5], 2) has 2 keys: sha256(tokens 1 2), then sha256(that + tokens 3 4).
+    """
+    ids = np.asarray(tokens, dtype=np.int64)
+    key = b"" if salt is None else hashlib.sha256(b"salt" + salt.encode()).digest()
+    keys = []
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        key = hashlib.sha256(key + ids[start:start + block_size].tobytes()).digest()
+        keys.append(key)
+    return keys
+
+
+class PrefixCache:
+    """Blocks of K/V for the caches named in `caches` (their shapes, dtypes and devices), `num_blocks` at most."""
+
+    def __init__(self, caches: dict[str, KVCache], num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a prefix cache needs at least one block, got {num_blocks}")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.pools = {}  # name -> [num_blocks, 2 * layers (keys, then values), kv_heads, block_size, head_dim]
+        for name, cache in caches.items():
+            _, kv_heads, _, head_dim = cache.keys[0].shape
+            shape = (num_blocks, 2 * len(cache.keys), kv_heads, block_size, head_dim)
+            self.pools[name] = torch.empty(shape, dtype=cache.keys[0].dtype, device=cache.keys[0].device)
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
+        self._used = 0  # blocks ever handed out; past num_blocks, a block is had by evicting one
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pools.values())
+
+    def keys(self, tokens: list[int], salt: str | None = None) -> list[bytes]:
+        return block_keys(tokens, self.block_size, salt)
+
+    def lookup(self, keys: list[bytes]) -> list[Block]:
+        """The cached blocks of the longest chain of `keys` from the first (touched: most recently used)."""
+        chain = []
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None:
+                break
+            chain.append(block)
+        self._touch(keys[:len(chain)])
+        return chain
+
+    @staticmethod
+    def held(name: str, chain: list[Block]) -> int:
+        """How many blocks from the first of `chain` hold cache `name`."""
+        return next((i for i, block in enumerate(chain) if name not in block.caches), len(chain))
+
+    def save(self, name: str, keys: list[bytes], cache: KVCache, row: int, shift: int = 0) -> None:
+        """Copy `row` of `cache` into the blocks `keys` (a chain from block 0) that do not hold `name` yet,
+        adding missing blocks (evicting the least recently used ones, never one of this chain's: the chain is
+        cut there instead)."""
+        B = self.block_size
+        chain: list[Block] = []
+        in_chain: set[int] = set()
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None:
+                block = self._allocate(key, in_chain)
+                if block is None:
+                    break
+            self.blocks.move_to_end(key)
+            chain.append(block)
+            in_chain.add(block.id)
+        todo = [(i, block) for i, block in enumerate(chain) if name not in block.caches]
+        self._touch(keys[:len(chain)])
+        if not todo:
+            return
+        device = cache.keys[0].device
+        slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device).clamp_(min=0)
+        ids = torch.tensor([block.id for _, block in todo], device=device)
+        src = torch.stack([kv[row][:, slots] for kv in cache.keys + cache.values])  # [2 * layers, kv_heads, m * B, hd]
+        self.pools[name].index_copy_(0, ids, src.unflatten(2, (len(todo), B)).permute(2, 0, 1, 3, 4))
+        for _, block in todo:
+            block.caches.add(name)
+
+    def load(self, name: str, chain: list[Block], cache: KVCache, row: int, shift: int = 0) -> int:
+        """Copy the blocks of `chain` (from block 0; each holding `name`) into `row` of `cache` and set the row's
+        length: the number of slots restored, len(chain) * block_size - shift."""
+        n = len(chain) * self.block_size - shift
+        ids = torch.tensor([block.id for block in chain], device=cache.keys[0].device)
+        data = self.pools[name].index_select(0, ids)  # [m, 2 * layers, kv_heads, B, head_dim]
+        data = data.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2 * layers, kv_heads, m * B, head_dim]
+        for layer, kv in enumerate(cache.keys + cache.values):
+            kv[row, :, :n] = data[layer, :, shift:]
+        cache.lengths[row] = n
+        return n
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self._used = 0
+
+    def _allocate(self, key: bytes, keep: set[int]) -> Block | None:
+        if self._used < self.num_blocks:
+            block = Block(self._used)
+            self._used += 1
+        else:
+            victim_key, block = next(iter(self.blocks.items()))
+            if block.id in keep:
+                return None
+            del self.blocks[victim_key]
+            block.caches.clear()
+        self.blocks[key] = block
+        return block
+
+    def _touch(self, keys: list[bytes]) -> None:
+        for key in reversed(keys):  # the first block ends most recently used: chains lose their tails first
+            self.blocks.move_to_end(key)

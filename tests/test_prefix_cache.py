@@ -1,0 +1,262 @@
+"""Prefix caching on tiny random models: a request that finds its prefix cached gives exactly the output it
+gives on an engine without a cache (greedy, and seeded sampling, where the draft's state shows in the draft
+probabilities that rejection sampling reads), for every proposer and prefill chunk size: the same request
+again, the next turn of a conversation (its prefix cached by a different request, through that request's
+output), a hit ending inside a block, eviction under memory pressure, and drafts holding fewer blocks than
+the target. Plus the block keys, the copies in and out of the pool, and the salt that isolates tenants."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from fakes import FakeTokenizer, one_intra_op_thread
+from specdec.cache import KVCache
+from specdec.config import SamplingParams
+from specdec.engine import Engine
+from specdec.heads.modules import HEAD_CLASSES, HeadsConfig
+from specdec.memory import GiB, plan_memory
+from specdec.prefix_cache import PrefixCache, block_keys
+from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
+from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+from test_engine_tiny import MAX_LEN, draft, run, target, widths_fed
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
+
+BLOCK = 8
+A = tuple((7 * i + 3) % 90 for i in range(37))  # 36 tokens to prefill: 4 whole blocks
+OTHER = tuple((11 * i + 5) % 90 for i in range(20))
+HEADS = ("medusa", "eagle", "eagle tree")
+KINDS = ("plain", "ngram", "draft model", *HEADS)
+
+
+def params(sampled: bool, seed: int = 0) -> SamplingParams:
+    if sampled:
+        return SamplingParams(temperature=0.9, top_k=40, max_tokens=16, ignore_eos=True, seed=seed)
+    return SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@lru_cache(maxsize=None)
+def random_head(method: str):
+    """Untrained heads on the tiny target: their drafts are rarely accepted, but their probabilities, which
+    seeded rejection sampling reads, change with any difference in what they were fed."""
+    torch.manual_seed(3)
+    model = target("fp32")
+    head = HEAD_CLASSES[method](HeadsConfig.for_target(method, model, "tiny", vocab_size=97, num_heads=3))
+    for p in head.parameters():
+        p.normal_(0.0, 0.3)
+    return head.attach(model).eval()
+
+
+def make_engine(kind: str, chunk: int = 64, blocks: int = 0, batch: int = 2, **kw) -> Engine:
+    vocab, k = 97, 3
+    if kind == "plain":
+        proposer, k = None, 0
+    elif kind == "ngram":
+        proposer = NgramProposer(max_n=3)
+    elif kind == "draft model":
+        proposer = DraftModelProposer(draft("fp32", "noisy copy"), batch, MAX_LEN)
+    elif kind == "medusa":
+        proposer = MedusaProposer(random_head("medusa"), vocab, None, max_depth=k)
+    else:
+        tree = default_tree(k) if kind == "eagle tree" else None
+        proposer = EagleProposer(random_head("eagle"), vocab, batch, MAX_LEN, tree, max_depth=k)
+    return Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN, max_batch_size=batch,
+                  prefill_chunk=chunk, prefix_cache_blocks=blocks, prefix_block_size=BLOCK, **kw)
+
+
+def cold(kind: str, chunk: int, prompt, p: SamplingParams) -> list[int]:
+    """The request alone on an engine without a prefix cache."""
+    return run(make_engine(kind, chunk), [("cold", prompt, p)])["cold"].token_ids
+
+
+def cached(blocks: int, kind: str) -> int:
+    """Prompt tokens a hit of `blocks` blocks spares: proposers on the target's features recompute the last."""
+    return blocks * BLOCK - (kind in HEADS and blocks > 0)
+
+
+# ------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("chunk", [3, 64])
+@pytest.mark.parametrize("kind", KINDS)
+def test_hits_give_the_outputs_of_an_engine_without_a_cache(kind, chunk, sampled):
+    """A 37-token prompt, then: the same prompt (4 blocks cached), the next turn of that conversation (its
+    first 52 tokens cached by the first request: 6 blocks, through its output), a prompt sharing 21 tokens
+    with the first (a hit ending mid-block: 2 blocks) and one sharing nothing; the last three together in a
+    batch of two (a hit restores its row while another sequence decodes, and rows move as they leave)."""
+    engine = make_engine(kind, chunk, blocks=64)
+    first = run(engine, [("first", A, params(sampled, 1))])["first"]
+    again = run(engine, [("again", A, params(sampled, 2))])["again"]
+    requests = {
+        "again": (A, params(sampled, 2), 4),
+        "next turn": (A + tuple(first.token_ids) + (5, 6, 7), params(sampled, 3), 6),
+        "mid-block": (A[:21] + OTHER[:10], params(sampled, 4), 2),
+        "other": (OTHER, params(sampled, 5), 0),
+    }
+    outs = {"again": again, **run(engine, [(rid, *requests[rid][:2]) for rid in ("next turn", "mid-block", "other")])}
+    assert first.metrics.cached_tokens == 0 and first.token_ids == cold(kind, chunk, A, params(sampled, 1))
+    for rid, (prompt, p, blocks) in requests.items():
+        assert outs[rid].metrics.cached_tokens == cached(blocks, kind), rid
+        assert outs[rid].token_ids == cold(kind, chunk, prompt, p), rid
+    assert engine.metrics.cached_tokens == sum(cached(blocks, kind) for *_, blocks in requests.values())
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft model", "eagle"])
+def test_eviction_under_memory_pressure_takes_the_least_recently_used_tails_first(kind):
+    """A pool of 6 blocks of 8 tokens. X (25 tokens, 8 out) leaves 4 blocks; Y takes 4 more, evicting X's
+    last two; X again finds 2 blocks, and takes back 2 by evicting Y's tail; Y again finds 2. A 70-token
+    prompt needs 8 blocks: its chain is cut at 6 (it never evicts its own blocks), which it finds again."""
+    engine = make_engine(kind, blocks=6)
+    x, y = A[:25], OTHER + A[:5]
+    z = tuple((5 * i + 1) % 90 for i in range(70))
+    p = SamplingParams(temperature=0.9, top_k=40, max_tokens=8, ignore_eos=True, seed=7)
+    expected_blocks = [0, 0, 2, 2, 0, 6]
+    for i, (prompt, blocks) in enumerate(zip([x, y, x, y, z, z], expected_blocks)):
+        out = run(engine, [(str(i), prompt, p)])[str(i)]
+        assert out.metrics.cached_tokens == cached(blocks, kind), f"request {i}"
+        assert out.token_ids == cold(kind, 64, prompt, p), f"request {i}"
+    assert len(engine.prefix_cache.blocks) == 6
+
+
+def test_a_draft_model_holding_fewer_blocks_reads_the_rest_itself():
+    """The target's 4 blocks of A are cached but the draft's first only (as when its row had restarted on a
+    window): a hit restores the 4 and the draft reads tokens 8..31 itself, then the prompt's rest with the
+    target's chunk; seeded sampling gives the cold output."""
+    engine = make_engine("draft model", blocks=64)
+    run(engine, [("first", A, params(True, 1))])
+    pc = engine.prefix_cache
+    for block in pc.lookup(pc.keys(A[:-1]))[1:]:
+        block.caches.discard("draft")
+    fed, original = widths_fed(engine.proposer.model)
+    try:
+        out = run(engine, [("again", A, params(True, 2))])["again"]
+    finally:
+        engine.proposer.model.forward = original
+    assert fed[:2] == [24, 4]
+    assert out.metrics.cached_tokens == 32 and out.token_ids == cold("draft model", 64, A, params(True, 2))
+
+
+def test_eagle_pairs_bound_the_hit():
+    """EAGLE's pairs cannot be recomputed without the features of the whole prefix: with its pairs cached for
+    2 of the 4 blocks of A, the hit is 2 blocks (less the token the target recomputes)."""
+    engine = make_engine("eagle", blocks=64)
+    run(engine, [("first", A, params(True, 1))])
+    pc = engine.prefix_cache
+    for block in pc.lookup(pc.keys(A[:-1]))[2:]:
+        block.caches.discard("draft")
+    out = run(engine, [("again", A, params(True, 2))])["again"]
+    assert out.metrics.cached_tokens == 15 and out.token_ids == cold("eagle", 64, A, params(True, 2))
+
+
+def test_a_draft_that_skips_the_prompt_is_restored_nothing():
+    """disable_by_batch_size 1: a prompt joining with another waiting is not read by the draft model, which
+    restarts on a window once it drafts. A hit must leave it so (not restore its cached blocks, from which it
+    would catch up on the whole context instead), and a row restarted on a window has no draft blocks to save:
+    a later request extending it restores the first request's 4 draft blocks and reads on from there. Seeded
+    outputs equal those of an engine without a cache given the same requests."""
+    def session(blocks: int) -> dict:
+        engine = make_engine("draft model", blocks=blocks, disable_by_batch_size=1)
+        outs = run(engine, [("first", A, params(True, 1))])
+        short = SamplingParams(temperature=0.9, top_k=40, max_tokens=2, ignore_eos=True, seed=3)
+        longer = SamplingParams(temperature=0.9, top_k=40, max_tokens=40, ignore_eos=True, seed=2)
+        outs |= run(engine, [("again", A + (1, 2, 3, 4), longer), ("short", OTHER, short)])
+        later = A + (1, 2, 3, 4) + tuple(outs["again"].token_ids) + (9,)
+        return outs | run(engine, [("later", later, params(True, 4))])
+
+    hit, without = session(64), session(0)
+    assert hit["again"].metrics.cached_tokens == 32 and hit["again"].metrics.num_drafts > 0
+    assert hit["later"].metrics.cached_tokens == 80
+    assert {r: o.token_ids for r, o in hit.items()} == {r: o.token_ids for r, o in without.items()}
+
+
+def test_a_prompt_is_shared_once_prefilled_while_its_request_runs():
+    engine = make_engine("plain", blocks=64)
+    outs = run(engine, [("a", A, params(False)), ("b", A, params(False))])
+    assert [outs[r].metrics.cached_tokens for r in "ab"] == [0, 32] and outs["a"].token_ids == outs["b"].token_ids
+
+
+def test_a_cache_salt_shares_prefixes_only_with_the_same_salt():
+    engine = make_engine("plain", blocks=64)
+    p = params(False)
+    salts = [None, "tenant-1", "tenant-1", "tenant-2", None]
+    outs = []
+    for salt in salts:
+        engine.add_request("r", list(A), p, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            outs += [out for out in engine.step() if out.finished]
+    assert [o.metrics.cached_tokens for o in outs] == [0, 0, 32, 0, 32]
+    assert all(o.token_ids == outs[0].token_ids for o in outs)
+
+
+def test_a_request_for_prompt_logprobs_prefills_its_whole_prompt():
+    """Prompt logprobs need the logits of every prompt position: such a request takes nothing from the cache
+    (vLLM does the same) and gets the prompt logprobs and output logprobs of an engine without one; the
+    next request without them hits again."""
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+    engine = make_engine("draft model", blocks=64)
+    run(engine, [("first", A, params(False))])
+    outs = run(engine, [("logprobs", A, p)]) | run(engine, [("after", A, params(False))])
+    reference = run(make_engine("draft model"), [("cold", A, p)])["cold"]
+    assert outs["logprobs"].metrics.cached_tokens == 0 and outs["after"].metrics.cached_tokens == 32
+    assert outs["logprobs"].prompt_logprobs == reference.prompt_logprobs
+    assert outs["logprobs"].logprobs == reference.logprobs and outs["logprobs"].token_ids == reference.token_ids
+
+
+@pytest.mark.parametrize("fault", ["judging", "detokenizing", "prefilling"])
+def test_a_sequence_that_fails_leaves_the_cache_exact(fault):
+    """A request that fails midway (see test_engine_tiny.inject) saves nothing when released (its row may be
+    half-written: one failing in its prefill, after 2 of its 4 blocks, leaves none); what it saved when its
+    prompt was in still serves: the same prompt and the next turn of the conversation give the outputs of an
+    engine without a cache."""
+    from test_engine_tiny import inject
+
+    engine = make_engine("draft model", chunk=8, blocks=64)
+    inject(engine, fault, at=3 if fault == "prefilling" else 2)
+    bad = run(engine, [("bad", A, params(True, 1))])["bad"]
+    assert bad.finish_reason == "abort" and bad.error is not None
+    pc = engine.prefix_cache
+    saved = len(pc.lookup(pc.keys(list(A) + bad.token_ids)))
+    assert saved == (0 if fault == "prefilling" else 4)  # its prompt's blocks if it joined; none past them
+    for rid, prompt in [("same", A), ("next turn", A + tuple(bad.token_ids) + (5, 6, 7))]:
+        out = run(engine, [(rid, prompt, params(True, 2))])[rid]
+        assert out.token_ids == cold("draft model", 8, prompt, params(True, 2)), rid
+
+
+# ------------------------------------------------------------------------------------------- the pool
+def test_block_keys_cover_the_whole_prefix_and_the_salt():
+    keys = block_keys(list(A), 8)
+    assert len(keys) == 4 and len(set(keys)) == 4  # whole blocks only: 37 tokens, 4 keys
+    assert block_keys(list(A[:16]), 8) == keys[:2]
+    changed = block_keys([A[0] + 1, *A[1:]], 8)  # the first token changes every block's key
+    assert not set(changed) & set(keys)
+    salted = block_keys(list(A), 8, "s")
+    assert not set(salted) & set(keys) and salted == block_keys(list(A), 8, "s") != block_keys(list(A), 8, "t")
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_saved_blocks_load_back_the_slots_they_were_copied_from(shift):
+    """Three blocks of row 1 saved, loaded into row 0 of another cache: the same bits in slots [0, 24 - shift)
+    (shift 1: block i holds slots [8i - 1, 8i + 7), EAGLE's pairs), and the row's length set."""
+    config = target("fp32").config
+    src, dst = KVCache(config, 2, 64, torch.float32), KVCache(config, 1, 64, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for t in src.keys + src.values:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    pc = PrefixCache({"x": src}, num_blocks=4, block_size=8)
+    keys = block_keys(list(range(30)), 8)[:3]
+    pc.save("x", keys, src, 1, shift)
+    assert pc.load("x", pc.lookup(keys), dst, 0, shift) == 24 - shift == dst.lengths[0]
+    for a, b in zip(src.keys + src.values, dst.keys + dst.values):
+        assert torch.equal(b[0, :, :24 - shift], a[1, :, :24 - shift])
+
+
+def test_the_memory_plan_gives_the_prefix_cache_what_the_sequences_leave():
+    plan = plan_memory(10 * GiB, 2 * GiB, GiB, 28 * 1024, 12 * 1024, 4096, max_num_seqs=8, prefix_caching=True)
+    rest = 10 * GiB - 3 * GiB - 8 * 4096 * 40 * 1024
+    assert plan.prefix_cache_blocks == rest // (16 * 40 * 1024) and 0 <= rest - plan.prefix_cache < 16 * 40 * 1024
+    assert f"({plan.prefix_cache_blocks} blocks of 16 tokens)" in plan.report()
+    off = plan_memory(10 * GiB, 2 * GiB, GiB, 28 * 1024, 12 * 1024, 4096, max_num_seqs=8)
+    assert off.prefix_cache_blocks == 0 and off.max_num_seqs == 8
+    assert "prefix cache       0.000 GiB  (off)" in off.report()
