@@ -37,18 +37,21 @@ def test_method_names_map_to_speculative_configs():
     medusa = parse_method("medusa:my-heads:tree", TARGET)
     assert (medusa.name, medusa.spec.model, medusa.spec.tree) == ("medusa:my-heads:k=3:tree", "my-heads", "default")
     assert parse_method("draft:d:k=5:adaptive", TARGET).spec.adaptive
+    suffix = parse_method("suffix:tree:local", TARGET)  # K defaults to the trie's depth, as in vLLM
+    assert suffix.name == "suffix:k=24:tree:local"
+    assert (suffix.spec.tree, suffix.spec.suffix_decoding_max_cached_requests) == ("dynamic", 0)
     # every method's --speculative-config builds the same config back
-    for name in ("ngram:k=2", "draft:d:k=5:adaptive", "medusa:k=2:tree", "eagle:k=4:dynamic", "draft:d"):
+    for name in ("ngram:k=2", "draft:d:k=5:adaptive", "medusa:k=2:tree", "eagle:k=4:dynamic", "draft:d",
+                 "suffix:k=8", "suffix:adaptive:tree", "suffix:local"):
         method = parse_method(name, TARGET)
         assert build_speculative_config(None, None, method.config_json) == method.spec
     assert parse_method("plain", TARGET) == Method("plain", None) and Method("plain", None).config_json is None
 
 
 def test_bad_method_names_are_refused_clearly():
-    with pytest.raises(ValueError, match="suffix decoding is not implemented yet"):
-        parse_method("suffix", TARGET)
     for bad, message in [("lookahead", "unknown method"), ("draft", "name the draft model"),
                          ("draft:d:k=0", "k must be"), ("ngram:x", "ngram takes no model"),
+                         ("suffix:x", "suffix takes no model"), ("ngram:local", "ngram takes no model"),
                          ("plain:k=2", "plain takes no options"), ("draft:d:e", "unknown option")]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad, TARGET)
@@ -124,7 +127,7 @@ def test_summaries_and_recommendation_on_known_metrics():
 
 
 def test_bench_command_on_the_tiny_model(tiny_gguf, tmp_path, capsys):  # noqa: F811
-    """Three methods on three prompts of two categories: the report, its JSON and the plots are written;
+    """Four methods on three prompts of two categories: the report, its JSON and the plots are written;
     the figures follow from the metrics; greedy outputs all equal plain decoding's; the recommended line
     parses back to the recommended method."""
     prompts = tmp_path / "prompts.jsonl"
@@ -132,7 +135,7 @@ def test_bench_command_on_the_tiny_model(tiny_gguf, tmp_path, capsys):  # noqa: 
                        '{"messages": [{"role": "user", "content": "hello"}], "category": "chat"}\n'
                        '{"prompt": "hello world", "category": "repeat"}\n')
     out = tmp_path / "report"
-    assert main(["bench", tiny_gguf, "--prompts", str(prompts), "--methods", f"ngram:k=2,draft:{tiny_gguf}",
+    assert main(["bench", tiny_gguf, "--prompts", str(prompts), "--methods", f"ngram:k=2,suffix:k=4,draft:{tiny_gguf}",
                  "--max-tokens", "12", "--quantization", "none", "--dtype", "float32", "--max-model-len", "128",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -142,7 +145,7 @@ def test_bench_command_on_the_tiny_model(tiny_gguf, tmp_path, capsys):  # noqa: 
     report = json.loads((out / "report.json").read_text())
     md = (out / "report.md").read_text()
     plain_tps = report["methods"][0]["metrics"]["tokens_per_second"]
-    assert [m["method"] for m in report["methods"]] == ["plain", "ngram:k=2", f"draft:{tiny_gguf}:k=3"]
+    assert [m["method"] for m in report["methods"]] == ["plain", "ngram:k=2", "suffix:k=4", f"draft:{tiny_gguf}:k=3"]
     for m in report["methods"]:
         pooled = m["metrics"]
         decode = pooled["total_time_s"] - pooled["prefill_time_s"]
@@ -154,7 +157,8 @@ def test_bench_command_on_the_tiny_model(tiny_gguf, tmp_path, capsys):  # noqa: 
         assert set(m["speedup_by_category"]) == {"chat", "repeat"}
         assert f"| {m['method']} | {m['tokens_per_s']:.2f} | {m['speedup']:.2f}x" in md
         assert f"| {m['tokens_per_pass']:.2f} |" in md
-    plain, ngram, draft = report["methods"]
+    plain, ngram, suffix, draft = report["methods"]
+    assert suffix["metrics"]["num_drafts"] > 0  # "abc abc abc" repeats
     assert plain["tokens_per_pass"] == 1 and plain["memory_bytes"] == 0 and plain["metrics"]["num_drafts"] == 0
     assert draft["metrics"]["acceptance_rate"] == 1.0 and draft["per_position"] == [1.0, 1.0, 1.0]  # its own draft
     assert draft["memory_bytes"] > 0 and "3/3" in md and "**NO**" not in md
@@ -169,11 +173,6 @@ def test_bench_command_on_the_tiny_model(tiny_gguf, tmp_path, capsys):  # noqa: 
     else:
         assert args[3] == "--speculative-config" and args[4] == best["speculative_config"]
         assert build_speculative_config(None, None, args[4]) == parse_method(best["method"], tiny_gguf).spec
-
-
-def test_bench_command_refuses_suffix(tiny_gguf, capsys):  # noqa: F811
-    assert main(["bench", tiny_gguf, "--methods", "plain,suffix"]) == 2
-    assert "suffix decoding is not implemented yet" in capsys.readouterr().err
 
 
 def test_bench_serve_against_the_fake_server(tmp_path):

@@ -33,7 +33,8 @@ from specdec.outputs import RequestOutput
 from specdec.sampling import fan_out, pick_best
 from specdec.speculative.compat import check_draft_compatible
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
-from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+from specdec.speculative.proposers import DraftModelProposer, NgramProposer, SuffixProposer
+from specdec.speculative.suffix import SuffixCache
 from specdec.speculative.tree import DynamicTree, TreeShape
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -78,6 +79,7 @@ def build_speculative_config(
 
     `--speculative-model D` alone drafts adaptively with up to 5 tokens; adding
     `--num-speculative-tokens K` fixes K (as in vLLM); `{"adaptive": true}` in the config makes K a maximum.
+    `{"method": "suffix"}` drafts adaptively with up to `suffix_decoding_max_tree_depth` tokens (24).
     """
     if isinstance(speculative_config, str):
         try:
@@ -96,6 +98,9 @@ def build_speculative_config(
     k_given = num_speculative_tokens is not None or "num_speculative_tokens" in d
     if num_speculative_tokens is not None:
         d["num_speculative_tokens"] = num_speculative_tokens
+    if d.get("method") == "suffix":  # as vLLM: K defaults to the trie's depth, a maximum (drafts are shorter)
+        d.setdefault("num_speculative_tokens",
+                     d.get("suffix_decoding_max_tree_depth", SpeculativeConfig.suffix_decoding_max_tree_depth))
     d.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
     d.setdefault("adaptive", not k_given)
     return SpeculativeConfig.from_dict(d)
@@ -211,6 +216,10 @@ class LLM:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if spec.method == "suffix":  # one cache per engine: the requests of a served model share it
+            cache = SuffixCache(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests)
+            return SuffixProposer(cache, spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                                  tree=spec.tree == "dynamic")
         if spec.method == "draft_model":
             return DraftModelProposer(draft_model, max_num_seqs, self.max_model_len)
         tree = self._tree(spec)
@@ -296,6 +305,11 @@ class LLM:
             }
             if self.draft_model is not None:
                 info["speculative"]["draft_quantization"] = self.draft_quantization
+            if self.spec.method == "suffix":
+                info["speculative"].update({k: getattr(self.spec, k) for k in (
+                    "tree", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")})
+                info["speculative"]["suffix_cache_bytes"] = self.engine.proposer.memory_bytes
             if self.heads is not None:
                 info["speculative"]["tree"] = self.spec.tree
                 info["speculative"]["heads_training"] = self.heads.config.training

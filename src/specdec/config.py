@@ -205,7 +205,7 @@ class SamplingParams:
         return bool(self.logit_bias or self.min_tokens or self.has_penalties)
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "medusa", "eagle")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "medusa", "eagle")
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,14 @@ class SpeculativeConfig:
     tree: Any = None
     tree_top_k: int = 2
     tree_beam: int = 2
+    # suffix decoding (vLLM's keys and defaults): tries of depth max_tree_depth (match + draft lengths) over the
+    # request and over the last max_cached_requests outputs (0: the request's own only); a draft of at most
+    # max_spec_factor x the match length, of tokens whose empirical probability is >= min_token_prob.
+    # tree "dynamic": the trie's own branches, best-first by probability (K tokens at most)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -241,14 +249,29 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.method in ("draft_model", "medusa", "eagle") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs a 'model'")
-        if self.tree is not None and self.method not in ("medusa", "eagle"):
-            raise ValueError(f"tree drafts need method medusa or eagle, not {self.method!r}")
+        if self.method == "suffix":
+            self._check_suffix()
+        elif self.tree is not None and self.method not in ("medusa", "eagle"):
+            raise ValueError(f"tree drafts need method medusa, eagle or suffix, not {self.method!r}")
         if self.tree is not None and self.tree not in ("default", "dynamic") and not (
             isinstance(self.tree, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in self.tree)
         ):
             raise ValueError('tree must be "default", "dynamic" or a list of paths of child ranks, e.g. [[0], [1], [0, 0]]')
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.draft_quantization!r}")
+
+    def _check_suffix(self) -> None:
+        if self.tree not in (None, "dynamic"):
+            raise ValueError('suffix decoding drafts chains, or trees with "tree": "dynamic" (the trie\'s own branches)')
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ValueError(f"suffix_decoding_max_tree_depth={self.suffix_decoding_max_tree_depth} must be >= 1")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError(f"suffix_decoding_max_cached_requests={self.suffix_decoding_max_cached_requests} "
+                             "must be >= 0")
+        if not self.suffix_decoding_max_spec_factor >= 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor={self.suffix_decoding_max_spec_factor} must be >= 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob={self.suffix_decoding_min_token_prob} must be in [0, 1]")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":

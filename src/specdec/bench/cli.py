@@ -25,9 +25,9 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, num_prompts_default: s
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", help="target model: path (HF folder or .gguf) or known name")
     add_prompt_arguments(parser, f"all of a file, {DATASET_PROMPTS} of a data set")
-    parser.add_argument("--methods", help="comma-separated: plain, ngram, draft:MODEL, medusa, eagle, each with "
-                                          "options :k=K, :adaptive, :tree (heads), :dynamic (heads), e.g. "
-                                          "draft:qwen2.5-coder-0.5b-instruct:k=4 (default: plain, ngram, the "
+    parser.add_argument("--methods", help="comma-separated: plain, ngram, suffix, draft:MODEL, medusa, eagle, each "
+                                          "with options :k=K, :adaptive, :tree, :dynamic (heads), :local (suffix), e.g. "
+                                          "draft:qwen2.5-coder-0.5b-instruct:k=4 (default: plain, ngram, suffix, the "
                                           "default draft and the shipped heads where the target has them)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs must equal plain's)")
     parser.add_argument("--seed", type=int, default=0, help="every request's seed, when sampling")

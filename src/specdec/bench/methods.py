@@ -2,6 +2,9 @@
 
     plain                          no speculation (always run: the baseline)
     ngram[:k=K]                    prompt lookup
+    suffix[:k=K][:adaptive][:tree][:local]
+                                   suffix decoding (K: 24 unless given, a maximum); `tree`: the trie's branches;
+                                   `local`: the request's own trie only (no global trie of past outputs)
     draft:MODEL[:k=K][:adaptive]   a draft model (path or known name)
     medusa[:HEADS][:k=K][:tree]    Medusa heads (default: those shipped for the target, TARGET-medusa)
     eagle[:HEADS][:k=K][:tree|:dynamic]
@@ -24,7 +27,8 @@ from pathlib import Path
 from specdec.config import SpeculativeConfig
 
 DEFAULT_K = 3
-KINDS = ("plain", "ngram", "draft", "medusa", "eagle")
+KINDS = ("plain", "ngram", "suffix", "draft", "medusa", "eagle")
+SUFFIX_K = 24  # suffix decoding: vLLM's default K, the depth of its tries
 
 
 @dataclass(frozen=True)
@@ -46,17 +50,17 @@ class Method:
             d["adaptive"] = True
         if s.tree is not None:
             d["tree"] = s.tree
+        if s.method == "suffix" and s.suffix_decoding_max_cached_requests == 0:
+            d["suffix_decoding_max_cached_requests"] = 0
         return json.dumps(d)
 
 
 def parse_method(text: str, target: str) -> Method:
     """One `--methods` entry; `target` names the shipped heads that medusa and eagle default to."""
     kind, *parts = text.strip().split(":")
-    if kind == "suffix":
-        raise ValueError("suffix decoding is not implemented yet; methods: " + ", ".join(KINDS))
     if kind not in KINDS:
         raise ValueError(f"unknown method {text!r}; methods: " + ", ".join(KINDS))
-    k, adaptive, tree, model = DEFAULT_K, False, None, None
+    k, adaptive, tree, model, local = SUFFIX_K if kind == "suffix" else DEFAULT_K, False, None, None, False
     for part in parts:
         if part.startswith("k="):
             if not part[2:].isdigit() or int(part[2:]) < 1:
@@ -65,7 +69,9 @@ def parse_method(text: str, target: str) -> Method:
         elif part == "adaptive":
             adaptive = True
         elif part in ("tree", "dynamic"):
-            tree = "default" if part == "tree" else "dynamic"
+            tree = "default" if part == "tree" and kind != "suffix" else "dynamic"
+        elif part == "local" and kind == "suffix":
+            local = True
         elif model is None and part:
             model = part
         else:
@@ -76,15 +82,17 @@ def parse_method(text: str, target: str) -> Method:
         return Method("plain", None)
     if kind == "draft" and model is None:
         raise ValueError(f"{text!r}: name the draft model, e.g. draft:qwen2.5-coder-0.5b-instruct")
-    if kind == "ngram" and model is not None:
-        raise ValueError(f"{text!r}: ngram takes no model")
+    if kind in ("ngram", "suffix") and model is not None:
+        raise ValueError(f"{text!r}: {kind} takes no model")
     named = [model] if model is not None else []  # medusa and eagle: shown only when not the default heads
     if kind in ("medusa", "eagle") and model is None:
         model = f"{Path(target).name.removesuffix('.gguf')}-{kind}"
+    extra = {"suffix_decoding_max_cached_requests": 0} if local else {}
     spec = SpeculativeConfig(method="draft_model" if kind == "draft" else kind, model=model,
-                             num_speculative_tokens=k, adaptive=adaptive, tree=tree)
+                             num_speculative_tokens=k, adaptive=adaptive, tree=tree, **extra)
     options = [f"k={k}"] + (["adaptive"] if adaptive else []) + \
-        {None: [], "default": ["tree"], "dynamic": ["dynamic"]}[tree]
+        {None: [], "default": ["tree"], "dynamic": ["tree" if kind == "suffix" else "dynamic"]}[tree] + \
+        (["local"] if local else [])
     return Method(":".join([kind, *named, *options]), spec)
 
 
@@ -105,7 +113,7 @@ def default_methods(target: str) -> str:
     from specdec.api import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.heads.modules import PRETRAINED
 
-    methods = ["plain", "ngram"]
+    methods = ["plain", "ngram", "suffix"]
     if target == DEFAULT_TARGET:
         methods.append(f"draft:{DEFAULT_DRAFT}")
     methods += [kind for kind in ("medusa", "eagle") if (PRETRAINED / f"{target}-{kind}").is_dir()]

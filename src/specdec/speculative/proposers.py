@@ -255,3 +255,78 @@ class DraftModelProposer:
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
         self.skipped[dst] = self.skipped.pop(src, 0)
+
+
+class SuffixProposer:
+    """Suffix decoding: drafts from suffix tries of the request's own tokens and of past outputs
+    (`specdec.speculative.suffix`). No model: a draft costs microseconds, so its price is the wider
+    verification pass, which the adaptive controller weighs.
+
+    Each sequence's trie is started at its first step (its prompt and what it has output), brought up to
+    date with its new tokens at each proposal, and its output completed and kept in the global trie of its
+    `cache_salt` when it leaves. A chain draft is the most frequent continuation; a tree draft (`tree`) the
+    continuations best-first by their empirical probability, K nodes at most. Drafts are point masses (`Draft.probs` None):
+    they are not drawn from a distribution, so rejection sampling treats them as such, which is exact.
+    """
+
+    needs_hidden = False
+
+    def __init__(self, cache, max_spec_factor: float = 1.0, min_token_prob: float = 0.1, tree: bool = False) -> None:
+        self.cache = cache  # a specdec.speculative.suffix.SuffixCache
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.tree = tree
+        self._rows: dict[int, SequenceLike] = {}  # row -> the sequence the cache knows there
+
+    def _track(self, seq) -> None:
+        """Start `seq` in the cache if new (the sequence the cache knew in its row has left), then add its new
+        tokens."""
+        known = self._rows.get(seq.row)
+        if known is not seq:
+            if known is not None:
+                self._finish(known)
+            self._rows[seq.row] = seq
+            self.cache.stop(seq.request_id)  # (a request id reused while the cache still had it: a new request)
+            self.cache.start(seq.request_id, seq.prompt_ids, getattr(seq, "cache_salt", None))
+        self._add_new_tokens(seq)
+
+    def _add_new_tokens(self, seq) -> None:
+        consumed = self.cache.consumed(seq.request_id)
+        if consumed < len(seq.tokens):
+            self.cache.extend(seq.request_id, seq.tokens[consumed:])
+
+    def _finish(self, seq) -> None:
+        """`seq` leaves: its whole output joins the global trie, its own trie is dropped."""
+        self._add_new_tokens(seq)
+        self.cache.stop(seq.request_id)
+
+    def propose(self, seqs, ks):
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            self._track(seq)
+            if k <= 0:
+                drafts.append(Draft([]))
+                continue
+            d = self.cache.speculate(seq.request_id, seq.tokens[-self.cache.max_depth:], k, self.max_spec_factor,
+                                     self.min_token_prob, self.tree)
+            drafts.append(Draft(d.tokens, parents=d.parents if self.tree and d.tokens else None))
+        return drafts
+
+    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
+        for seq in seqs:  # known from its first step, so that its output is kept even if it never drafts
+            if self._rows.get(seq.row) is not seq:
+                self._track(seq)
+
+    def release(self, row: int) -> None:
+        seq = self._rows.pop(row, None)
+        if seq is not None:
+            self._finish(seq)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.release(dst)  # the sequence that left dst
+        if src in self._rows:
+            self._rows[dst] = self._rows.pop(src)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.cache.memory_bytes
