@@ -11,6 +11,7 @@ one more turn prefills only what is new (`out[0].metrics.cached_tokens` tells ho
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -154,6 +155,9 @@ class LLM:
             draft_label="heads" if self.heads is not None else "draft",
             prefix_caching=enable_prefix_caching,
         )
+        if self.spec is not None and self.spec.method == "suffix":
+            self.memory_plan = dataclasses.replace(
+                self.memory_plan, suffix_cached_requests=self.spec.suffix_decoding_max_cached_requests)
         proposer = self._build_proposer(self.spec, self.draft_model, self.heads, self.memory_plan.max_num_seqs)
         self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
                                    self.memory_plan.prefix_cache_blocks)

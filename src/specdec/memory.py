@@ -21,6 +21,7 @@ import torch
 from specdec.prefix_cache import BLOCK_SIZE
 
 GiB = 1024 ** 3
+SUFFIX_BYTES_PER_TOKEN = 800  # suffix decoding's tries, depth 24, on code (benchmarks/bench_suffix_trie.py)
 
 
 class MemoryBudgetError(RuntimeError):
@@ -46,6 +47,7 @@ class MemoryPlan:
     draft_label: str = "draft"  # what drafts: "draft" (a model) or "heads" (Medusa, EAGLE)
     prefix_cache_blocks: int = 0  # blocks of `prefix_block_size` tokens (0: no prefix caching)
     prefix_block_size: int = BLOCK_SIZE
+    suffix_cached_requests: int | None = None  # suffix decoding: outputs its global tries keep (None: not used)
 
     @property
     def kv_tokens(self) -> int:
@@ -85,6 +87,9 @@ class MemoryPlan:
             f"  target KV cache  {gib(self.target_kv)}  ({self.target_kv_per_token} B/token)",
             f"  {self.draft_label + ' KV cache':17}{gib(self.draft_kv)}  ({self.draft_kv_per_token} B/token)",
             f"  prefix cache     {gib(self.prefix_cache)}  ({prefix})",
+            *([f"  suffix tries     not reserved: grow with the running requests' tokens and the last "
+               f"{self.suffix_cached_requests} outputs, about {SUFFIX_BYTES_PER_TOKEN} B a token"]
+              if self.suffix_cached_requests is not None else []),
             f"  total            {gib(used)}",
             f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.max_model_len} tokens",
         ])

@@ -65,6 +65,8 @@ def run_methods(methods: list[Method], engines: list[Engine], prompt_ids: list[l
                 run.metrics.append(out.metrics)
                 run.outputs.append(out.token_ids)
                 bar.update()
+    for run, engine in zip(runs, engines):  # what grows with use (suffix decoding's tries), once all have run
+        run.memory_bytes = max(run.memory_bytes, engine.proposer.memory_bytes if engine.proposer is not None else 0)
     return runs
 
 

@@ -34,8 +34,11 @@ class Draft:
 class SequenceLike(Protocol):
     """What proposers may read of a running sequence (the engine's `Sequence`)."""
 
+    request_id: str
+    prompt_ids: list[int]
     tokens: list[int]  # prompt + output so far
     row: int  # cache row of the sequence in this batch
+    cache_salt: str | None  # only requests with the same salt share cached state (prefixes, suffix tries)
     params: "object"  # SamplingParams
     generator: torch.Generator
     matcher: "object | None"  # GrammarMatcher: the grammar state of the committed tokens (structured output)
@@ -287,7 +290,7 @@ class SuffixProposer:
                 self._finish(known)
             self._rows[seq.row] = seq
             self.cache.stop(seq.request_id)  # (a request id reused while the cache still had it: a new request)
-            self.cache.start(seq.request_id, seq.prompt_ids, getattr(seq, "cache_salt", None))
+            self.cache.start(seq.request_id, seq.prompt_ids, seq.cache_salt)
         self._add_new_tokens(seq)
 
     def _add_new_tokens(self, seq) -> None:

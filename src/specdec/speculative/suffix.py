@@ -37,8 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("suffix_trie.cpp")
@@ -101,12 +99,8 @@ def load_library() -> ctypes.CDLL | None:
         return lib
 
 
-def _i32(values: Sequence[int]) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.int32)
-
-
-def _ptr(a: np.ndarray, ctype=ctypes.c_int32):
-    return a.ctypes.data_as(ctypes.POINTER(ctype))
+def _ints(values: Sequence[int]):
+    return (ctypes.c_int32 * len(values))(*values)
 
 
 class SuffixTrie:
@@ -116,6 +110,12 @@ class SuffixTrie:
         self.depth = depth
         self._lib = lib
         self._handle = lib.st_new(depth)
+        self._grow(32)
+
+    def _grow(self, n: int) -> None:
+        """Output buffers for drafts of n tokens, kept between calls (the ctypes calls cost more than the work)."""
+        self._tokens, self._parents, self._probs = (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)(), (ctypes.c_double * n)()
+        self._score, self._match = ctypes.c_double(), ctypes.c_int32()
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None):
@@ -124,8 +124,7 @@ class SuffixTrie:
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
         if len(tokens):
-            a = _i32(tokens)
-            self._lib.st_extend(self._handle, seq_id, _ptr(a), len(a))
+            self._lib.st_extend(self._handle, seq_id, _ints(tokens), len(tokens))
 
     def remove(self, seq_id: int) -> None:
         self._lib.st_remove(self._handle, seq_id)
@@ -135,18 +134,17 @@ class SuffixTrie:
         context = context[-self.depth:]
         if max_tokens <= 0 or not len(context):
             return SuffixDraft()
-        ctx = _i32(context)
-        tokens, parents = np.empty(max_tokens, np.int32), np.empty(max_tokens, np.int32)
-        probs, score, match = np.empty(max_tokens, np.float64), np.zeros(1, np.float64), np.zeros(1, np.int32)
-        n = self._lib.st_speculate(self._handle, _ptr(ctx), len(ctx), max_tokens, max_spec_factor, min_token_prob,
-                                   int(tree), _ptr(tokens), _ptr(parents), _ptr(probs, ctypes.c_double),
-                                   _ptr(score, ctypes.c_double), _ptr(match))
-        return SuffixDraft(tokens[:n].tolist(), parents[:n].tolist(), probs[:n].tolist(), float(score[0]),
-                           int(match[0]))
+        if max_tokens > len(self._tokens):
+            self._grow(max_tokens)
+        n = self._lib.st_speculate(self._handle, _ints(context), len(context), max_tokens, max_spec_factor,
+                                   min_token_prob, int(tree), self._tokens, self._parents, self._probs,
+                                   ctypes.byref(self._score), ctypes.byref(self._match))
+        if n == 0:
+            return SuffixDraft()
+        return SuffixDraft(self._tokens[:n], self._parents[:n], self._probs[:n], self._score.value, self._match.value)
 
     def count(self, s: Sequence[int]) -> int:
-        a = _i32(s)
-        return int(self._lib.st_count(self._handle, _ptr(a), len(a)))
+        return int(self._lib.st_count(self._handle, _ints(s), len(s)))
 
     @property
     def num_nodes(self) -> int:

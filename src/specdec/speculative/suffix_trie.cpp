@@ -6,7 +6,8 @@
 // string x. Appending token t to a sequence inserts the suffixes that end at t: the sequence keeps the nodes
 // of its suffixes of length 0..depth-1 ("active"), and each gets (or creates) its child t, count + 1: O(depth)
 // per token. Removing a sequence walks each of its suffixes and subtracts its counts; nodes at 0 are freed.
-// Children are found through one hash table keyed by (parent, token) and listed through sibling links.
+// Children are found through one hash table keyed by (parent, token) and listed through sibling links; each
+// node keeps its most frequent child and its children's total count, so that a chain draft is O(1) a token.
 //
 // Speculation from a context: for each match length m = 1, 2, ... while the context's last m tokens are a
 // path of the trie, continue from that node by the most frequent child (ties: the most recently seen), the
@@ -138,12 +139,20 @@ class Trie {
       path.push_back(0);
       int32_t node = 0;
       for (int i = start; i < n && i - start < depth_; ++i) {
+        int32_t parent = node;
         node = children_.find(ChildTable::key(node, seq[i]));
         count_[node] -= 1;
+        total_[parent] -= 1;
         path.push_back(node);
       }
       // the nodes at 0 are a tail of the path (a child never counts more than its parent): free them leaf first
-      for (size_t j = path.size() - 1; j > 0 && count_[path[j]] == 0; --j) unlink(path[j - 1], path[j]);
+      size_t alive = path.size();
+      while (alive > 1 && count_[path[alive - 1]] == 0) {
+        unlink(path[alive - 2], path[alive - 1]);
+        --alive;
+      }
+      for (size_t j = 0; j < alive; ++j)  // a decremented (or freed) best child may no longer be the best
+        if (j + 1 < path.size() && best_[path[j]] == path[j + 1]) best_[path[j]] = rank_children(path[j]);
     }
     seqs_.erase(it);
   }
@@ -193,8 +202,8 @@ class Trie {
 
   int64_t bytes() const {
     int64_t total = sizeof(*this) + children_.bytes();
-    total += (token_.capacity() + count_.capacity() + stamp_.capacity() + first_.capacity() + next_.capacity() +
-              free_.capacity()) * sizeof(int32_t);
+    total += (token_.capacity() + count_.capacity() + stamp_.capacity() + total_.capacity() + first_.capacity() +
+              next_.capacity() + best_.capacity() + free_.capacity()) * sizeof(int32_t);
     for (const auto& kv : seqs_)
       total += 64 + (kv.second.tokens.capacity() + kv.second.active.capacity()) * sizeof(int32_t);
     return total;
@@ -207,16 +216,17 @@ class Trie {
       id = free_.back();
       free_.pop_back();
       token_[id] = token;
-      count_[id] = 0;
-      stamp_[id] = 0;
-      first_[id] = next_[id] = NIL;
+      count_[id] = stamp_[id] = total_[id] = 0;
+      first_[id] = next_[id] = best_[id] = NIL;
     } else {
       id = int32_t(token_.size());
       token_.push_back(token);
       count_.push_back(0);
       stamp_.push_back(0);
+      total_.push_back(0);
       first_.push_back(NIL);
       next_.push_back(NIL);
+      best_.push_back(NIL);
     }
     return id;
   }
@@ -232,6 +242,9 @@ class Trie {
     }
     count_[c] += 1;
     stamp_[c] = int32_t(clock_);
+    total_[parent] += 1;
+    int32_t b = best_[parent];  // c gained: the best child is c or stays (c is now the most recent)
+    if (b == NIL || count_[c] >= count_[b]) best_[parent] = c;
     return c;
   }
 
@@ -247,14 +260,11 @@ class Trie {
     free_.push_back(c);
   }
 
-  // The most frequent child of `node` (ties: the most recently seen) and the children's total count.
-  int32_t best_child(int32_t node, int64_t* total) const {
+  // The most frequent child of `node` (ties: the most recently seen), by a scan; `best_` keeps it.
+  int32_t rank_children(int32_t node) const {
     int32_t best = NIL;
-    *total = 0;
-    for (int32_t c = first_[node]; c != NIL; c = next_[c]) {
-      *total += count_[c];
+    for (int32_t c = first_[node]; c != NIL; c = next_[c])
       if (best == NIL || count_[c] > count_[best] || (count_[c] == count_[best] && stamp_[c] > stamp_[best])) best = c;
-    }
     return best;
   }
 
@@ -262,10 +272,9 @@ class Trie {
                   std::vector<int32_t>& parents, std::vector<double>& probs) const {
     double prob = 1.0;
     while (int(tokens.size()) < limit) {
-      int64_t total;
-      int32_t c = best_child(node, &total);
+      int32_t c = best_[node];
       if (c == NIL) break;
-      prob *= double(count_[c]) / double(total);
+      prob *= double(count_[c]) / double(total_[node]);
       if (prob < min_prob) break;
       parents.push_back(int32_t(tokens.size()) - 1);
       tokens.push_back(token_[c]);
@@ -280,15 +289,14 @@ class Trie {
     int64_t order = 0;
     auto push_children = [&](int32_t from, double prob, int32_t parent, int32_t depth) {
       if (m + depth >= depth_) return;  // no deeper nodes
-      int64_t total = 0;
-      for (int32_t c = first_[from]; c != NIL; c = next_[c]) total += count_[c];
+      double total = total_[from];
       std::vector<int32_t> kids;  // most frequent first (ties: most recent), so that `order` ranks them
       for (int32_t c = first_[from]; c != NIL; c = next_[c]) kids.push_back(c);
       std::sort(kids.begin(), kids.end(), [&](int32_t a, int32_t b) {
         return count_[a] != count_[b] ? count_[a] > count_[b] : stamp_[a] > stamp_[b];
       });
       for (int32_t c : kids) {
-        double p = prob * double(count_[c]) / double(total);
+        double p = prob * double(count_[c]) / total;
         if (p >= min_prob) frontier.push(Item{p, order++, c, parent, depth + 1});
       }
     };
@@ -305,7 +313,9 @@ class Trie {
 
   int depth_;
   int64_t clock_ = 0;
-  std::vector<int32_t> token_, count_, stamp_, first_, next_, free_;
+  // per node: its token, occurrences, when last seen, its children's total count, first child and next sibling,
+  // most frequent child (ties: the most recent)
+  std::vector<int32_t> token_, count_, stamp_, total_, first_, next_, best_, free_;
   ChildTable children_;
   std::unordered_map<int, Sequence> seqs_;
 };
