@@ -24,7 +24,10 @@ import argparse
 import importlib
 import inspect
 import json
+import sys
 import time
+
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.compare import MethodRun, decode, summarize
@@ -36,18 +39,18 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 REPLY = "Reply with the complete updated function in one ```python block, and nothing else."
 EDITS = [  # (function, edit request)
     ("fnmatch.filter", "Rename the parameter `pat` to `pattern`."),
-    ("colorsys.rgb_to_hls", "Add type hints to the parameters and the return value."),
     ("textwrap.indent", "Rename the parameter `prefix` to `margin`."),
     ("html.escape", "Rename the parameter `s` to `text`."),
+    ("colorsys.rgb_to_hls", "Add type hints to the parameters and the return value."),
     ("string.capwords", "Add a check at the start that raises TypeError if `s` is not a str."),
     ("statistics.median", "Replace the docstring with a one-line docstring."),
 ]
 SESSIONS = [  # (function, first edit, second edit)
+    ("glob.escape", "Rename the parameter `pathname` to `path`.", "Add type hints to the parameter and the return value."),
     ("colorsys.rgb_to_hsv", "Rename `maxc` to `max_component` and `minc` to `min_component`.",
      "Add type hints to the parameters and the return value."),
-    ("glob.escape", "Rename the parameter `pathname` to `path`.", "Add type hints to the parameter and the return value."),
 ]
-METHODS = f"plain,ngram:k=8,suffix:k=24:adaptive,suffix:k=24:adaptive:local,draft:{DRAFT}:k=4"
+METHODS = f"plain,ngram:k=8,suffix:k=24:adaptive,suffix:k=24:adaptive:local,suffix:k=24,draft:{DRAFT}:k=4"
 
 
 def source(name: str) -> str:
@@ -78,6 +81,10 @@ def measure(methods, engines, ids: list[list[int]], budgets: list[int], runs: li
             out = decode(engine, prompt_ids, params)
             run.metrics.append(out.metrics)
             run.outputs.append(out.token_ids)
+            m = out.metrics
+            print(f"  {run.method.name}: {len(prompt_ids)} prompt tokens, {m.emitted_tokens} tokens, "
+                  f"{m.tokens_per_second:.2f} tokens/s, {m.mean_acceptance_length:.2f} per pass, same as plain: "
+                  f"{out.token_ids == runs[0].outputs[-1]}", file=sys.stderr, flush=True)
     return runs
 
 
@@ -118,7 +125,11 @@ def main() -> None:
     parser.add_argument("--other", type=int, default=4, help="HumanEval and Spec-Bench prompts, half each")
     parser.add_argument("--other-max-tokens", type=int, default=64)
     parser.add_argument("--methods", default=METHODS)
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's); on a shared, "
+                                                    "loaded machine 1 keeps passes from waiting on each other")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     llm = LLM(TARGET, max_model_len=2048)
@@ -153,7 +164,7 @@ def main() -> None:
             print("\nspeedup by category: " + "; ".join(
                 f"{s.name}: " + ", ".join(f"{c} {s.speedup_by_category[c]:.2f}x" for c in cats) for s in summaries))
     suffix = next((e.proposer for m, e in zip(methods, engines) if m.name.startswith("suffix:") and
-                   "local" not in m.name), None)
+                   "local" not in m.name), None)  # the first global one
     print(json.dumps({"benchmark": "suffix", "target": TARGET, "seconds": round(time.perf_counter() - t0, 1),
                       "suffix_cache_bytes": suffix.memory_bytes if suffix is not None else None,
                       **{name: [row(s) for s in summaries] for name, summaries in results.items()}}))
