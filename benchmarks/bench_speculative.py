@@ -108,7 +108,7 @@ def main() -> None:
           f"each; target {TARGET} ({llm.quantization}, {llm.dtype}), draft {DRAFT} ({draft_quantization})")
     results = []
     # the heads never saw these prompts: they are trained on HumanEval 100+ and the second half of each
-    # Spec-Bench category (specdec.heads.train.prompt_split); the check above keeps it so
+    # Spec-Bench category (specdec.training.prompt_split); the check above keeps it so
     for temp in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
         methods, engines = zip(*(build(llm, name, bad_draft) for name in names))

@@ -74,10 +74,11 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
 
     from specdec.api import default_device, load_model
-    from specdec.heads.train import DEFAULT_DATA, TrainConfig, train_heads
+    from specdec.data import DATA_DIR
     from specdec.models.loading import resolve_dtype
     from specdec.models.quant import resolve_quantization
     from specdec.models.store import KNOWN_MODELS, pull
+    from specdec.training import TrainConfig, train_heads
 
     if args.model in KNOWN_MODELS:
         pull(args.model)
@@ -91,7 +92,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
         num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         eagle_cls_weight=args.cls_weight,
-        data_dir=Path(args.data_dir) if args.data_dir else DEFAULT_DATA,
+        data_dir=Path(args.data_dir) if args.data_dir else DATA_DIR,
     )
     report = train_heads(target, tokenizer, args.model, cfg)
     print(json.dumps(report))
