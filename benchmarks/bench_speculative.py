@@ -26,8 +26,8 @@ from specdec.bench.methods import Method, parse_method
 from specdec.bench.prompts import dataset_prompts
 from specdec.engine import Engine
 from specdec.models.quant import resolve_quantization
-from specdec.speculative.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import DraftModelProposer
+from specdec.testing.degraded import PermutedLogitsModel
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 MAX_MODEL_LEN = 2048

@@ -89,6 +89,11 @@ def test_lower_layers_never_import_higher_ones(source):
     assert offending_imports(source, FORBIDDEN[source]) == []
 
 
+def test_the_runtime_never_imports_the_testing_helpers():
+    graph = unit_graph()
+    assert [source for source in sorted(graph) if "testing" in graph[source] and source != "testing"] == []
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """A cycle of the graph, e.g. ["engine", "speculative", "heads", "engine"], or None."""
     done: set[str] = set()
