@@ -3,7 +3,8 @@
 
 A unit is a subpackage (`specdec.models`, `specdec.heads`, ...) or a module directly under `specdec`
 (`specdec.engine`, `specdec.api`, ...). Bottom to top, roughly: config, cache, kernels -> models -> heads ->
-speculative -> engine -> api -> llm_args -> server, bench -> training -> cli.
+speculative -> engine -> api -> llm_args -> server, bench, training -> cli; testing (helpers of the tests and
+benchmarks) is imported by none of them.
 """
 
 from __future__ import annotations
