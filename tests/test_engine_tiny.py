@@ -19,7 +19,7 @@ from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.server.async_engine import AsyncEngine, RequestFailedError
 from specdec.speculative.controller import CostModel
-from specdec.speculative.degraded import PermutedLogitsModel
+from specdec.testing.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer
 from specdec.stop_strings import StopStrings
 

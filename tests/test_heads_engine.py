@@ -14,7 +14,7 @@ from fakes import FakeTokenizer, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.heads.modules import load_heads
-from specdec.heads.train import TrainConfig, train_heads
+from specdec.training import TrainConfig, train_heads
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.tree import DynamicTree, TreeShape
 from test_engine_tiny import PROMPTS, run
