@@ -26,8 +26,8 @@ from specdec.bench.methods import Method, parse_method
 from specdec.bench.prompts import dataset_prompts
 from specdec.engine import Engine
 from specdec.models.quant import resolve_quantization
-from specdec.speculative.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import DraftModelProposer
+from specdec.testing.degraded import PermutedLogitsModel
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 MAX_MODEL_LEN = 2048
@@ -108,7 +108,7 @@ def main() -> None:
           f"each; target {TARGET} ({llm.quantization}, {llm.dtype}), draft {DRAFT} ({draft_quantization})")
     results = []
     # the heads never saw these prompts: they are trained on HumanEval 100+ and the second half of each
-    # Spec-Bench category (specdec.heads.train.prompt_split); the check above keeps it so
+    # Spec-Bench category (specdec.training.prompt_split); the check above keeps it so
     for temp in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
         methods, engines = zip(*(build(llm, name, bad_draft) for name in names))

@@ -19,7 +19,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from conftest import tiny_model
-from specdec.speculative.proposers import Draft, StatelessProposer
+from specdec.speculative.proposers import Draft, Proposer
 
 
 def letter(token_id: int) -> str:
@@ -60,14 +60,14 @@ class FakeTokenizer:
         return {name: i for i, name in self._names.items()}
 
 
-class ScriptedProposer(StatelessProposer):
+class ScriptedProposer(Proposer):
     """Proposes `script(seq)[:k]` for each sequence; `calls` records (request_id, k, draft) per proposal."""
 
     def __init__(self, script: Callable[[object], list[int]]) -> None:
         self.script = script
         self.calls: list[tuple[str, int, list[int]]] = []
 
-    def propose(self, seqs, ks):
+    def draft(self, seqs, ks):
         drafts = []
         for seq, k in zip(seqs, ks):
             tokens = list(self.script(seq))[:k] if k > 0 else []

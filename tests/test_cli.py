@@ -138,3 +138,94 @@ def test_prefix_caching_is_on_unless_turned_off_and_lasts_across_generate_calls(
     assert llm.generate(prompt, params)[0].metrics.cached_tokens == 0
     off = load_for_serving(parser.parse_args([tiny_gguf, "--no-enable-prefix-caching"]), tiny_gguf, None)
     assert off.memory_plan.prefix_cache_blocks == 0 and off.engine.prefix_cache is None
+
+
+# ------------------------------------------------------------------ one set of model flags for generate, serve, bench
+ACCEPTED = [
+    ["--speculative-model", "d", "--num-speculative-tokens", "5"],
+    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+     "--speculative-disable-by-batch-size", "4"],
+    ["--dtype", "half"], ["--dtype", "bf16"], ["--quantization", "none"], ["--device", "cpu"],
+    ["--max-model-len", "256"], ["--gpu-memory-utilization", "0.5"], ["--memory-utilization", "1"],
+    ["--max-num-batched-tokens", "64"], ["--no-enable-prefix-caching"],
+    ["-tp", "1", "--pipeline-parallel-size", "1", "--trust-remote-code", "--enforce-eager"],
+]
+REFUSED_BY_THE_PARSER = [
+    ["--dtype", "float8"], ["--quantization", "awq"], ["--gpu-memory-utilization", "0"],
+    ["--gpu-memory-utilization", "1.5"], ["--max-model-len", "0"], ["--max-num-batched-tokens", "0"],
+    ["--num-speculative-tokens", "x"],
+]
+REFUSED_BEFORE_LOADING = [  # (flags, the reason given)
+    (["-tp", "2"], "one device"), (["--pipeline-parallel-size", "2"], "one device"),
+    (["--speculative-config", "[1]", "--speculative-disable-by-batch-size", "2"], "must be a JSON object"),
+    (["--speculative-config", "{bad", "--speculative-disable-by-batch-size", "2"], "not valid JSON"),
+]
+
+
+def parsed(command: str, flags: list[str]) -> argparse.Namespace:
+    from specdec.cli import build_parser
+
+    return build_parser().parse_args([command, "m", *flags])
+
+
+@pytest.mark.parametrize("flags", ACCEPTED, ids=" ".join)
+def test_generate_serve_and_bench_read_the_model_flags_alike(flags):
+    """The same flags give the same LLM arguments from `generate` and `serve` (and from `bench`, which takes
+    the model flags but none of the speculation flags: its methods say how to speculate)."""
+    from specdec.llm_args import llm_kwargs
+
+    generate, serve = parsed("generate", flags), parsed("serve", flags)
+    expected = llm_kwargs(generate, "m", generate.speculative_model)
+    assert llm_kwargs(serve, "m", serve.speculative_model) == expected
+    if not any(flag.startswith("--speculative") or flag.startswith("--num-spec") for flag in flags):
+        assert llm_kwargs(parsed("bench", flags), "m", None) == expected
+    else:
+        with pytest.raises(SystemExit):
+            parsed("bench", flags)
+
+
+@pytest.mark.parametrize("flags", REFUSED_BY_THE_PARSER, ids=" ".join)
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_bad_model_flag_values_are_refused_by_every_command(command, flags, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parsed(command, flags)
+    assert exit_.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,reason", REFUSED_BEFORE_LOADING, ids=[" ".join(f) for f, _ in REFUSED_BEFORE_LOADING])
+def test_flags_that_cannot_apply_are_refused_alike_before_loading(flags, reason):
+    from specdec.llm_args import llm_kwargs
+
+    for command in ("generate", "serve"):
+        with pytest.raises(ValueError, match=reason):
+            llm_kwargs(parsed(command, flags), "m", None)
+
+
+def test_generate_and_serve_load_and_refuse_the_same_command_lines(tiny_gguf, capsys):
+    """End to end on the tiny model: the same model flags load with both commands (generate's memory report,
+    serve's dry run), and a speculation that cannot be built is refused by both with the same reason."""
+    flags = ["--dtype", "float", "--quantization", "none", "--device", "cpu", "--gpu-memory-utilization", "0.5",
+             "--max-model-len", "128", "--max-num-batched-tokens", "32", "--speculative-model", tiny_gguf,
+             "--num-speculative-tokens", "2", "--speculative-disable-by-batch-size", "4", "-tp", "1"]
+    assert main(["generate", tiny_gguf, "--memory-report", *flags]) == 0
+    assert "draft KV cache" in capsys.readouterr().out
+    assert main(["serve", tiny_gguf, "--dry-run", *flags]) == 0
+    assert "draft KV cache" in capsys.readouterr().out
+    for bad, reason in ((["--num-speculative-tokens", "3"], "needs --speculative-model"),
+                        (["--speculative-config", "{bad"], "not valid JSON"),
+                        (["--speculative-model", "no-such-draft"], "no-such-draft")):
+        assert main(["generate", tiny_gguf, "--memory-report", "--quantization", "none", *bad]) == 2
+        assert reason in capsys.readouterr().err
+        assert main(["serve", tiny_gguf, "--dry-run", "--quantization", "none", *bad]) == 2
+        assert reason in capsys.readouterr().err
+
+
+def test_every_dtype_name_the_flags_take_resolves():
+    import torch
+
+    from specdec.config import DTYPES
+    from specdec.models.loading import resolve_dtype
+
+    assert {name: resolve_dtype(name, "cpu") for name in ("half", "float", "bf16")} == \
+        {"half": torch.float16, "float": torch.float32, "bf16": torch.bfloat16}
+    assert all(isinstance(resolve_dtype(name, "cpu"), torch.dtype) for name in DTYPES)

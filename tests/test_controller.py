@@ -10,7 +10,7 @@ from fakes import FakeTokenizer, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK, expected_tokens
-from specdec.speculative.degraded import PermutedLogitsModel
+from specdec.testing.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import DraftModelProposer
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)

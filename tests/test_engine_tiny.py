@@ -14,11 +14,12 @@ import torch
 
 from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, varied_model
+from specdec import verification
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.server.async_engine import AsyncEngine, RequestFailedError
 from specdec.speculative.controller import CostModel
-from specdec.speculative.degraded import PermutedLogitsModel
+from specdec.testing.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer
 from specdec.stop_strings import StopStrings
 
@@ -33,6 +34,17 @@ PROMPTS = (
     (50, 60, 50, 60, 50, 60, 50),
     (7, 3, 88, 41, 9, 12),
 )
+
+
+class SetCosts(CostModel):
+    """Draft and verification costs set by the test alone (`CostModel.record_*` called on it): what the
+    engine measures of them is ignored."""
+
+    def record_draft(self, batch_size: int, seconds_per_forward: float) -> None:
+        pass
+
+    def record_verify(self, rows: int, seconds: float) -> None:
+        pass
 
 
 class SpeculationPays(CostModel):
@@ -128,7 +140,8 @@ def assert_metrics_consistent(out) -> None:
     assert sum(m.accepted_per_position) == m.num_accepted_tokens
     assert all(a >= b for a, b in zip(m.accepted_per_position, m.accepted_per_position[1:]))  # a chain
     assert m.accepted_per_position[:1] <= [m.num_drafts]
-    assert m.mean_acceptance_length == pytest.approx(m.emitted_tokens / m.target_passes)
+    assert m.tokens_per_pass == pytest.approx(m.emitted_tokens / m.target_passes)
+    assert m.mean_acceptance_length == (pytest.approx(1 + m.num_accepted_tokens / m.num_drafts) if m.num_drafts else 0)
 
 
 # ------------------------------------------------------------------------------------------- stop rules
@@ -281,7 +294,7 @@ def test_greedy_speculative_equals_plain(dtype_name, kind, k, adaptive):
         engine = Engine(target(dtype_name), FakeTokenizer(), make_proposer(dtype_name, kind), k, adaptive,
                         max_model_len=MAX_LEN)
         if adaptive:  # costs where drafting pays: the controller's choices (and this test's counts) do not
-            engine.costs = SpeculationPays()  # depend on how fast this machine runs a tiny model
+            engine.controller.costs = SpeculationPays()  # depend on how fast this machine runs a tiny model
         out = generate(engine, prompt, GREEDY)
         assert tuple(out.token_ids) == plain(dtype_name, prompt), f"prompt {prompt}"
         assert_metrics_consistent(out)
@@ -351,8 +364,8 @@ def test_adaptive_batch_under_shifting_costs_stays_exact(seed):
     engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(draft("fp32", "noisy copy"), 8, MAX_LEN,
                     window=4), 4, adaptive=True, max_model_len=MAX_LEN, max_batch_size=8,
                     prefill_chunk=rnd.choice([3, 8, 64]))
-    engine.controller.probe_interval = engine.controller.probe_every = 2
-    engine._record_costs = lambda *args: None  # costs come from `perturb` alone: the run is deterministic
+    engine.controller.policy.probe_interval = engine.controller.policy.probe_every = 2
+    engine.controller.costs = SetCosts()  # costs come from `perturb` alone: the run is deterministic
     requests = [(str(i), tuple(rnd.randrange(96) for _ in range(rnd.randrange(2, 30))), rnd.randrange(5, 40))
                 for i in range(12)]
     join_at = [rnd.randrange(0, 30) for _ in requests]
@@ -361,8 +374,8 @@ def test_adaptive_batch_under_shifting_costs_stays_exact(seed):
         if rnd.random() < 0.3:
             step, per_row = rnd.random(), rnd.random() / 8
             batch, rows = rnd.randrange(1, 9), rnd.randrange(1, 50)
-            engine.costs.record_draft(batch, rnd.random() * step)
-            engine.costs.record_verify(rows, step * (1 + per_row * (rows - 1)))
+            CostModel.record_draft(engine.costs, batch, rnd.random() * step)
+            CostModel.record_verify(engine.costs, rows, step * (1 + per_row * (rows - 1)))
 
     finals = run(engine, [(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                           for rid, p, n in requests], join_at=join_at, on_step=perturb)
@@ -418,41 +431,68 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def inject(engine: Engine, fault: str, bad: str = "bad", at: int = 2) -> None:
+def inject(engine: Engine, fault: str, monkeypatch, bad: str = "bad", at: int = 2) -> None:
     """Make one part of the step go wrong for request `bad` only, from its `at`-th time on: "judging"
-    (`_accept` raises), "detokenizing" (its detokenizer raises, halfway through appending),
-    "prefilling" (a prompt chunk's forward raises) or "drafting" (the proposer drafts ids outside the
-    vocabulary, which the target pass cannot take)."""
+    (`verification.accept` raises), "detokenizing" (its detokenizer raises, halfway through appending),
+    "prefilling" (the target's forward over one of its prompt chunks raises) or "drafting" (the proposer
+    drafts ids outside the vocabulary, which the target pass cannot take)."""
     calls = 0
 
-    def wrapped(fn, request_id=lambda *args: args[0].request_id):
-        def call(*args):
-            nonlocal calls
-            if request_id(*args) == bad:
-                calls += 1
-                if calls >= at:
-                    raise InjectedFault(f"{fault} failed")
-            return fn(*args)
-        return call
+    def fail_at_call() -> None:
+        nonlocal calls
+        calls += 1
+        if calls >= at:
+            raise InjectedFault(f"{fault} failed")
 
     if fault == "judging":
-        engine._accept = wrapped(engine._accept)
+        accept = verification.accept
+
+        def judging(seq, *args):
+            if seq.request_id == bad:
+                fail_at_call()
+            return accept(seq, *args)
+
+        monkeypatch.setattr(verification, "accept", judging)
     elif fault == "prefilling":
-        engine._prefill_chunk = wrapped(engine._prefill_chunk)
+        model = engine.target
+
+        class FailingPrefill:  # the target, failing on the bad request's prompt chunks (fed in a row view)
+            def __getattr__(self, name):
+                return getattr(model, name)
+
+            def __call__(self, tokens, positions, cache, **kw):
+                joining = engine.prefilling
+                if cache is not engine.cache and joining is not None and joining.request_id == bad:
+                    fail_at_call()
+                return model(tokens, positions, cache, **kw)
+
+        engine.target = FailingPrefill()
     elif fault == "detokenizing":
         add_request = engine.add_request
 
-        def add_and_break(request_id, prompt, params):
-            add_request(request_id, prompt, params)
-            seq = engine.waiting[-1]
-            seq.detokenizer.add = wrapped(seq.detokenizer.add, request_id=lambda *_: seq.request_id)
+        def add_and_break(request_id, prompt, params, cache_salt=None):
+            add_request(request_id, prompt, params, cache_salt)
+            detokenizer = engine.waiting[-1].output.detokenizer
+            add = detokenizer.add
+
+            def failing(ids):
+                if request_id == bad:
+                    fail_at_call()
+                return add(ids)
+
+            detokenizer.add = failing
 
         engine.add_request = add_and_break
     elif fault == "drafting":
         propose = engine.proposer.propose
-        engine.proposer.propose = lambda seqs, ks: [
-            Draft([engine.vocab_size + 3] * len(d.tokens)) if s.request_id == bad and d.tokens else d
-            for s, d in zip(seqs, propose(seqs, ks))]
+
+        def drafting(seqs, ks):
+            proposal = propose(seqs, ks)
+            proposal.drafts = [Draft([engine.vocab_size + 3] * len(d.tokens)) if s.request_id == bad and d.tokens
+                               else d for s, d in zip(seqs, proposal.drafts)]
+            return proposal
+
+        engine.proposer.propose = drafting
     else:
         raise ValueError(fault)
 
@@ -460,14 +500,14 @@ def inject(engine: Engine, fault: str, bad: str = "bad", at: int = 2) -> None:
 @pytest.mark.parametrize("fault,kind", [(f, k) for f in ("judging", "detokenizing", "prefilling")
                                         for k in ("plain", "noisy copy", "ngram")]
                          + [("drafting", "noisy copy"), ("drafting", "ngram")])
-def test_a_fault_in_one_sequence_ends_it_alone(fault, kind):
+def test_a_fault_in_one_sequence_ends_it_alone(fault, kind, monkeypatch):
     """A request whose own part of a step raises ends alone, finish_reason "abort" with the error said;
     every other request of the batch (running, being prefilled, waiting, joining later) still gets
     exactly its plain greedy output. A draft the target cannot take is dropped: then nobody fails."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=3)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, 4, max_model_len=MAX_LEN, max_batch_size=3,
                     prefill_chunk=3)
-    inject(engine, fault)
+    inject(engine, fault, monkeypatch)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     requests = [("bad", BAD_PROMPT, greedy(30))] + [(rid, prompt, greedy(n)) for rid, prompt, n, _ in BATCH_REQUESTS]
     finals = run(engine, requests, join_at=[1] + [at for *_, at in BATCH_REQUESTS])
@@ -484,12 +524,12 @@ def test_a_fault_in_one_sequence_ends_it_alone(fault, kind):
     assert engine.cache.lengths == [0, 0, 0] and not engine.running  # every row freed
 
 
-def test_async_engine_serves_on_after_one_request_fails():
+def test_async_engine_serves_on_after_one_request_fails(monkeypatch):
     """Through the async engine: the failing request's stream raises RequestFailedError (naming it, not the
     exception), the others complete exactly, and a request added afterwards is served exactly too."""
     engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", 2), 3,
                     max_model_len=MAX_LEN, max_batch_size=2)
-    inject(engine, "judging", at=3)
+    inject(engine, "judging", monkeypatch, at=3)
     async_engine = AsyncEngine(engine)
     async_engine.start()
 
@@ -614,9 +654,9 @@ def test_abort_while_prefilling():
 def test_prefill_time_sums_the_chunks():
     """A clock that ticks once per reading: each chunk's prefill time is one tick, so a 10-token prompt fed
     3 tokens at a time (9 tokens: 3 chunks) takes 3 ticks, in the request's metrics and the cumulative ones."""
-    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, prefill_chunk=3)
     ticks = iter(range(10_000))
-    engine._now = lambda: float(next(ticks))
+    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, prefill_chunk=3,
+                    clock=lambda: float(next(ticks)))
     out = generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert out.metrics.prefill_time == 3.0 and engine.metrics.prefill_time == 3.0
     assert tuple(out.token_ids) == plain("fp32", PROMPTS[0])[:5]
@@ -660,18 +700,18 @@ def test_the_draft_skips_prompts_joining_while_speculation_is_off():
     degraded = PermutedLogitsModel(varied_model(seed=0, dtype=torch.float32), seed=1)
     engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4), 4,
                     adaptive=True, max_model_len=MAX_LEN)
-    engine.add_request("x", list(range(30, 60)), GREEDY)
-    joining = engine.waiting.popleft()
-    assert not engine._draft_reads_prompt(joining, 0)  # nothing measured: the first step is a probe (on a window)
-    engine.costs.record_draft(1, 0.01)
-    engine.costs.record_verify(1, 1.0)
-    engine.costs.record_verify(2, 1.0)
-    assert engine._draft_reads_prompt(joining, 0)  # at the prior acceptance (0.6), a cheap draft pays
-    engine.costs.record_prefill("draft", 10, 100.0)  # but not if reading takes longer than 40 tokens save
-    assert not engine._draft_reads_prompt(joining, 0)
-    engine.costs = CostModel()
+    controller = engine.controller
+    reads = lambda: controller.draft_reads_prompt([], 1, 29, GREEDY.max_tokens)  # noqa: E731  (a 30-token prompt)
+    assert not reads()  # nothing measured: the first step is a probe (on a window)
+    controller.costs.record_draft(1, 0.01)
+    controller.costs.record_verify(1, 1.0)
+    controller.costs.record_verify(2, 1.0)
+    assert reads()  # at the prior acceptance (0.6), a cheap draft pays
+    controller.costs.record_prefill("draft", 10, 100.0)  # but not if reading takes longer than 40 tokens save
+    assert not reads()
+    controller.costs = CostModel()
     generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    assert not engine._draft_reads_prompt(joining, 0)
+    assert not reads()
     prompt = tuple(range(30, 60))
     fed, original = widths_fed(degraded.inner)
     try:

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model
 from specdec.heads.modules import EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, load_heads, save_heads
-from specdec.heads.train import TrainConfig, train_heads
+from specdec.training import TrainConfig, train_heads
 
 
 class ByteTokenizer:

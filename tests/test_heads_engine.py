@@ -14,7 +14,7 @@ from fakes import FakeTokenizer, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.heads.modules import load_heads
-from specdec.heads.train import TrainConfig, train_heads
+from specdec.training import TrainConfig, train_heads
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.tree import DynamicTree, TreeShape
 from test_engine_tiny import PROMPTS, run
@@ -108,17 +108,17 @@ def test_tree_steps_keep_nodes_off_the_first_branch(trained, method):
     """Exactness with trees must not rest on the first branch alone: count steps whose kept path leaves it."""
     engine = make_engine(trained, method, "fp32", 3, TREES["wide tree"])
     off_branch = 0
-    original = engine._accept
+    observe = engine.proposer.observe
+    ranks = TreeShape.from_choices(TREES["wide tree"]).ranks
 
-    def spy(seq, draft, logits):
+    def spy(seqs, drafts, verdicts, hidden=None):  # the proposer is told each step's verdicts
         nonlocal off_branch
-        verdict, logprobs = original(seq, draft, logits)
-        if verdict.path and any(draft.parents is not None and TreeShape.from_choices(TREES["wide tree"]).ranks[i]
-                                for i in verdict.path):
-            off_branch += 1
-        return verdict, logprobs
+        for draft, verdict in zip(drafts, verdicts):
+            if verdict.path and draft.parents is not None and any(ranks[i] for i in verdict.path):
+                off_branch += 1
+        observe(seqs, drafts, verdicts, hidden)
 
-    engine._accept = spy
+    engine.proposer.observe = spy
     for i, prompt in enumerate(PROMPTS):
         assert run(engine, [(f"r{i}", prompt, GREEDY)])[f"r{i}"].token_ids == plain("fp32", prompt)
     assert off_branch > 0

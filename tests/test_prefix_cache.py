@@ -205,7 +205,7 @@ def test_a_request_for_prompt_logprobs_prefills_its_whole_prompt():
 
 
 @pytest.mark.parametrize("fault", ["judging", "detokenizing", "prefilling"])
-def test_a_sequence_that_fails_leaves_the_cache_exact(fault):
+def test_a_sequence_that_fails_leaves_the_cache_exact(fault, monkeypatch):
     """A request that fails midway (see test_engine_tiny.inject) saves nothing when released (its row may be
     half-written: one failing in its prefill, after 2 of its 4 blocks, leaves none); what it saved when its
     prompt was in still serves: the same prompt and the next turn of the conversation give the outputs of an
@@ -213,7 +213,7 @@ def test_a_sequence_that_fails_leaves_the_cache_exact(fault):
     from test_engine_tiny import inject
 
     engine = make_engine("draft model", chunk=8, blocks=64)
-    inject(engine, fault, at=3 if fault == "prefilling" else 2)
+    inject(engine, fault, monkeypatch, at=3 if fault == "prefilling" else 2)
     bad = run(engine, [("bad", A, params(True, 1))])["bad"]
     assert bad.finish_reason == "abort" and bad.error is not None
     pc = engine.prefix_cache

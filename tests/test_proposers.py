@@ -26,6 +26,7 @@ class Seq:
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0))
     generator: torch.Generator = field(default_factory=lambda: make_generator(0))
     matcher: object = None
+    draft_state: object = None
 
 
 # ------------------------------------------------------------------------------------------- n-gram
@@ -59,11 +60,11 @@ def test_ngram_lookup(name, context, max_n, min_n, k, expected):
 def test_ngram_propose_is_batch_first_and_point_mass():
     proposer = NgramProposer(max_n=2)
     seqs = [Seq([1, 2, 3, 1, 2]), Seq([4, 5, 6], row=1), Seq([9, 9, 8, 9], row=2)]
-    drafts = proposer.propose(seqs, [2, 3, 0])
+    drafts = proposer.propose(seqs, [2, 3, 0]).drafts
     assert drafts == [Draft([3, 1]), Draft([]), Draft([])]
     assert all(d.probs is None for d in drafts)
     proposer.observe(seqs, drafts, [Verdict(1, 0)] * 3)  # no memory: observing changes nothing
-    assert proposer.propose(seqs, [2, 3, 0]) == drafts
+    assert proposer.propose(seqs, [2, 3, 0]).drafts == drafts
     assert proposer.memory_bytes == 0
 
 
@@ -104,7 +105,7 @@ def test_draft_model_greedy_draft_and_rollback(draft_model):
     proposer = DraftModelProposer(draft_model, max_batch_size=2, capacity=64)
     seq = Seq(list(prompt))
 
-    draft = proposer.propose([seq], [4])[0]
+    draft = proposer.propose([seq], [4]).drafts[0]
     assert draft.tokens == ref[:4] and draft.probs is None
     n = len(prompt)
     assert proposer.cache.lengths[0] == n + 3  # prompt, then drafted tokens 0..2 fed (3 is never fed)
@@ -113,21 +114,21 @@ def test_draft_model_greedy_draft_and_rollback(draft_model):
     proposer.observe([seq], [draft], [Verdict(2, ref[2])])
     assert proposer.cache.lengths[0] == n + 2  # rolled back to the kept tokens
     seq.tokens += ref[:3]
-    draft = proposer.propose([seq], [3])[0]
+    draft = proposer.propose([seq], [3]).drafts[0]
     assert draft.tokens == ref[3:6]
 
     # everything accepted: the last drafted token and the bonus token are both fed next time
     proposer.observe([seq], [draft], [Verdict(3, ref[6])])
     assert proposer.cache.lengths[0] == len(seq.tokens) + 2  # the 3rd drafted token was never fed
     seq.tokens += ref[3:7]
-    draft = proposer.propose([seq], [2])[0]
+    draft = proposer.propose([seq], [2]).drafts[0]
     assert draft.tokens == ref[7:9]
 
     # a rejection at the first position: the recovered token differs from the draft's own choice
     proposer.observe([seq], [draft], [Verdict(0, (ref[7] + 1) % 97)])
     assert proposer.cache.lengths[0] == len(seq.tokens)
     seq.tokens += [(ref[7] + 1) % 97]
-    draft = proposer.propose([seq], [2])[0]
+    draft = proposer.propose([seq], [2]).drafts[0]
     assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 2)
 
 
@@ -135,14 +136,14 @@ def test_draft_model_catches_up_after_steps_without_drafting(draft_model):
     prompt = [3, 1, 4, 1, 5]
     proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, prefill_chunk=2)
     seq = Seq(list(prompt))
-    draft = proposer.propose([seq], [1])[0]
+    draft = proposer.propose([seq], [1]).drafts[0]
     proposer.observe([seq], [draft], [Verdict(0, 9)])
     # five tokens decoded without the draft model (K = 0 steps): it must catch up in one proposal
     seq.tokens += [9, 2, 6, 5, 3, 5]
-    assert proposer.propose([seq], [0]) == [Draft([])]
+    assert proposer.propose([seq], [0]).drafts == [Draft([])]
     proposer.observe([seq], [Draft([])], [Verdict(0, 8)])  # a step it did not draft is ignored
     seq.tokens.append(8)
-    draft = proposer.propose([seq], [3])[0]
+    draft = proposer.propose([seq], [3]).drafts[0]
     assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 3)
 
 
@@ -167,23 +168,25 @@ def test_a_row_far_behind_restarts_on_the_last_window(draft_model):
     draft_model.forward = counting
     try:
         seq = Seq(list(tokens))
-        draft = proposer.propose([seq], [1])[0]
+        proposal = proposer.propose([seq], [1])
+        draft = proposal.drafts[0]
         assert fed == [8 + 1]  # the window and the last token, in one forward (not 40)
-        assert proposer.skipped[0] == 39 - 8 and proposer.cache.lengths[0] == 9
-        assert proposer.forward_seconds is None  # a catch-up forward is not the cost of a drafting step
+        assert seq.draft_state.skipped == 39 - 8 and proposer.cache.lengths[0] == 9
+        assert proposal.forward_seconds is None  # a catch-up forward is not the cost of a drafting step
         assert draft.tokens == continuation(tokens[-9:], 31, 1)
         proposer.observe([seq], [draft], [Verdict(1, 5)])  # accepted + bonus 5
         seq.tokens += [draft.tokens[0], 5]
         fed.clear()
-        draft = proposer.propose([seq], [2])[0]
-        assert fed == [2, 1] and proposer.forward_seconds > 0
+        proposal = proposer.propose([seq], [2])
+        draft = proposal.drafts[0]
+        assert fed == [2, 1] and proposal.forward_seconds > 0
         assert draft.tokens == continuation(seq.tokens[-11:], 31, 2)
         # 8 tokens decoded without the draft (<= window): all fed, in the first forward
         proposer.observe([seq], [draft], [Verdict(0, 6)])
         seq.tokens += [6] + tokens[:7]
         fed.clear()
-        draft = proposer.propose([seq], [1])[0]
-        assert fed == [8] and proposer.skipped[0] == 31
+        draft = proposer.propose([seq], [1]).drafts[0]
+        assert fed == [8] and seq.draft_state.skipped == 31
         assert draft.tokens == continuation(seq.tokens[31:], 31, 1)
     finally:
         draft_model.forward = original
@@ -196,19 +199,20 @@ def test_observe_after_a_step_without_drafting_leaves_the_rows_alone(draft_model
     length minus its own skipped tokens)."""
     proposer = DraftModelProposer(draft_model, max_batch_size=2, capacity=64, window=4)
     a, b = Seq(list(range(1, 11)), row=0), Seq(list(range(20, 50)), row=1)
-    drafts = proposer.propose([a, b], [1, 1])  # b restarts on a window: 25 tokens skipped
+    drafts = proposer.propose([a, b], [1, 1]).drafts  # b restarts on a window: 25 tokens skipped
     proposer.observe([a, b], drafts, [Verdict(0, 7), Verdict(0, 8)])
     a.tokens.append(7)
     b.tokens.append(8)
-    assert proposer.skipped[1] == 25
+    assert b.draft_state.skipped == 25
     length = proposer.cache.lengths[1]
-    proposer.move_row(1, 0)  # a finished; b takes its row
-    proposer.release(1)
+    proposer.release(a)  # a finished; b takes its row (the engine moves it, and frees row 1)
+    proposer.cache.move_row(1, 0)
+    proposer.cache.clear(1)
     b.row = 0
     proposer.observe([b], [Draft([])], [Verdict(0, 9)])  # a step without drafting
-    assert proposer.cache.lengths[0] == length and proposer.skipped[0] == 25
+    assert proposer.cache.lengths[0] == length and b.draft_state.skipped == 25
     b.tokens.append(9)
-    assert proposer.propose([b], [2])[0].tokens == continuation_at(draft_model, b.tokens[25:], 25, 2)
+    assert proposer.propose([b], [2]).drafts[0].tokens == continuation_at(draft_model, b.tokens[25:], 25, 2)
 
 
 def test_draft_model_reads_the_prompt_at_prefill(draft_model):
@@ -219,11 +223,11 @@ def test_draft_model_reads_the_prompt_at_prefill(draft_model):
     seq = Seq(list(prompt), row=1)
     proposer.prefill(seq, 0, 10)
     proposer.prefill(seq, 10, len(prompt) - 1)
-    assert proposer.cache.lengths[1] == len(prompt) - 1 and proposer.skipped.get(1, 0) == 0
-    draft = proposer.propose([Seq([0]), seq], [1, 3])[1]
+    assert proposer.cache.lengths[1] == len(prompt) - 1 and seq.draft_state.skipped == 0
+    draft = proposer.propose([Seq([0]), seq], [1, 3]).drafts[1]
     assert draft.tokens == greedy_continuation(draft_model, prompt, 3)  # the whole prompt as context
     other = Seq(list(prompt), row=0)
-    proposer.release(0)
+    proposer.cache.clear(0)
     proposer.prefill(other, 10, 20)  # the row is not at 10: nothing fed
     assert proposer.cache.lengths[0] == 0
 
@@ -232,7 +236,7 @@ def test_draft_model_batch_rows_and_per_sequence_k(draft_model):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41], [7, 7, 7, 7, 7]]
     proposer = DraftModelProposer(draft_model, max_batch_size=3, capacity=64)
     seqs = [Seq(list(p), row=i) for i, p in enumerate(prompts)]
-    drafts = proposer.propose(seqs, [3, 1, 0])
+    drafts = proposer.propose(seqs, [3, 1, 0]).drafts
     assert [len(d.tokens) for d in drafts] == [3, 1, 0]
     # a row grows only by the drafted tokens it feeds (k - 1); the others ride along uncommitted
     assert proposer.cache.lengths[:3] == [len(prompts[0]) + 2, len(prompts[1]), len(prompts[2])]
@@ -241,18 +245,20 @@ def test_draft_model_batch_rows_and_per_sequence_k(draft_model):
     proposer.observe(seqs, drafts, [Verdict(3, 11), Verdict(0, 12), Verdict(0, 13)])
     for seq, draft, nxt in zip(seqs, drafts, (11, 12, 13)):
         seq.tokens += draft.tokens + [nxt] if seq.row == 0 else [nxt]
-    drafts = proposer.propose(seqs, [2, 2, 2])
+    drafts = proposer.propose(seqs, [2, 2, 2]).drafts
     for seq, draft in zip(seqs, drafts):
         assert draft.tokens == greedy_continuation(draft_model, seq.tokens, 2)
     # the engine keeps rows packed: row 2 moves to row 0 when the sequence in row 0 finishes
     proposer.observe(seqs, drafts, [Verdict(0, 21), Verdict(0, 22), Verdict(0, 23)])
     for seq, nxt in zip(seqs, (21, 22, 23)):
         seq.tokens.append(nxt)
-    proposer.move_row(2, 0)
-    proposer.release(2)
+    proposer.release(seqs[0])
+    proposer.cache.move_row(2, 0)
+    proposer.cache.clear(2)
     assert proposer.cache.lengths[2] == 0
-    moved = Seq(seqs[2].tokens, row=0)
-    assert proposer.propose([moved, seqs[1]], [2, 1])[0].tokens == greedy_continuation(draft_model, moved.tokens, 2)
+    moved = seqs[2]
+    moved.row = 0
+    assert proposer.propose([moved, seqs[1]], [2, 1]).drafts[0].tokens == greedy_continuation(draft_model, moved.tokens, 2)
 
 
 def test_draft_model_sampling_returns_processed_probs(draft_model):
@@ -260,9 +266,9 @@ def test_draft_model_sampling_returns_processed_probs(draft_model):
     proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64)
     drafts = []
     for _ in range(2):
-        proposer.release(0)
+        proposer.cache.clear(0)
         seq = Seq([1, 2, 3], params=params, generator=make_generator(3))
-        drafts.append(proposer.propose([seq], [4])[0])
+        drafts.append(proposer.propose([seq], [4]).drafts[0])
     draft = drafts[0]
     assert draft.probs.shape == (4, 97)
     assert torch.allclose(draft.probs.sum(-1), torch.ones(4))

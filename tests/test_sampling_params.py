@@ -121,13 +121,13 @@ def test_penalties_count_the_drafted_tokens_before_each_position(continuation):
 
 
 def test_each_row_of_a_pass_sees_the_drafted_tokens_on_its_own_path():
-    from specdec.engine import _drafted_paths
     from specdec.speculative.proposers import Draft
+    from specdec.verification import drafted_paths
 
-    assert _drafted_paths(Draft([5, 7])) == [[], [5], [5, 7]]
+    assert drafted_paths(Draft([5, 7])) == [[], [5], [5, 7]]
     # a tree: nodes 0 and 1 are the root's children, node 2 is node 0's child, node 3 node 2's
     tree = Draft([5, 7, 9, 4], parents=[-1, -1, 0, 2])
-    assert _drafted_paths(tree) == [[], [5], [7], [5, 9], [5, 9, 4]]
+    assert drafted_paths(tree) == [[], [5], [7], [5, 9], [5, 9, 4]]
 
 
 def test_a_stop_token_inside_an_accepted_draft_ends_the_output_there(continuation):
@@ -255,7 +255,7 @@ def sampled_pairs(broken: bool = False) -> torch.Tensor:
     """[RUNS, 2] the first two tokens of RUNS seeded requests through the engine, the target drafting for
     itself without the penalties and bias (so its drafts are often but not always accepted), K = 2: the
     second token comes from position 1 of a pass whenever the first was an accepted drafted token."""
-    import specdec.engine as engine_module
+    import specdec.verification as engine_module
 
     original = engine_module.process_rows
     if broken:  # a sampler that forgets the drafted tokens before each position

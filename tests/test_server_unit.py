@@ -2,7 +2,8 @@
 
 `FakeEngine` implements the `Engine` interface (add_request / abort_request / has_unfinished_requests /
 num_queued / step) over a byte-level tokenizer: every request answers `reply_for(prompt)` followed by EOS, a few tokens
-per step, and records speculative counters as a K=3 draft of which 2 tokens are accepted. A prompt
+per step (its text and stop rules by the engine's `OutputText`), and records speculative counters as a K=3 draft of which
+2 tokens are accepted. A prompt
 containing "BOOM" makes `step` raise. With `prefix_caching`, a prompt it has seen before with the same
 `cache_salt` counts all its tokens but the last as cached. The server runs under uvicorn in a thread, on a
 free local port.
@@ -32,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.config import SamplingParams
 from specdec.metrics import SpecMetrics
-from specdec.models.tokenizer import IncrementalDetokenizer
+from specdec.output_text import OutputText
 from specdec.outputs import RequestOutput
 from specdec.server.app import build_app
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
@@ -110,7 +111,7 @@ class FakeEngine:
         prompt = self.tokenizer.decode(prompt_token_ids)
         answer = list(reply_for(prompt).encode()) + [EOS]
         self.waiting.append(dict(id=request_id, prompt=list(prompt_token_ids), params=params, answer=answer,
-                                 out=[], text="", emitted=0, detok=IncrementalDetokenizer(self.tokenizer),
+                                 out=[], output=OutputText(self.tokenizer, params, self.tokenizer.eos_token_ids),
                                  metrics=SpecMetrics(prompt_tokens=n, cached_tokens=cached), boom="BOOM" in prompt))
 
     def abort_request(self, request_id: str) -> None:
@@ -130,7 +131,7 @@ class FakeEngine:
                 if seq in self.waiting:
                     self.waiting.remove(seq)
                 self.aborted_ids.append(rid)
-                outputs.append(self._output(seq, [], "abort", None))
+                outputs.append(self._output(seq, [], "abort"))
         self._aborted.clear()
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting.popleft()
@@ -144,38 +145,23 @@ class FakeEngine:
         return outputs
 
     def _advance(self, seq: dict) -> RequestOutput:
-        params: SamplingParams = seq["params"]
-        new, reason, stop_reason = [], None, None
-        for token in seq["answer"][len(seq["out"]): len(seq["out"]) + self.tokens_per_step]:
-            seq["out"].append(token)
-            new.append(token)
-            if token == EOS:
-                reason, stop_reason = "stop", EOS
-                break
-            seq["text"] += seq["detok"].add([token])
-            hit = next((s for s in params.stop if s in seq["text"]), None)
-            if hit is not None:
-                seq["text"] = seq["text"][: seq["text"].index(hit)]
-                reason, stop_reason = "stop", hit
-                break
-            if len(seq["out"]) >= params.max_tokens:
-                reason = "length"
-                break
-        if reason is not None and stop_reason is None:
-            seq["text"] += seq["detok"].flush()
+        output: OutputText = seq["output"]
+        new = output.append(seq["answer"][len(seq["out"]): len(seq["out"]) + self.tokens_per_step])
+        seq["out"] += new
         seq["metrics"].record_step(3, 2, len(new))
-        if reason is not None:
+        if output.finished:
             del self.running[seq["id"]]
             self.metrics.merge(seq["metrics"])
-        return self._output(seq, new, reason, stop_reason)
+        return self._output(seq, new)
 
-    def _output(self, seq: dict, new: list[int], reason: str | None, stop_reason) -> RequestOutput:
-        out = RequestOutput(request_id=seq["id"], prompt_token_ids=seq["prompt"], new_token_ids=new,
-                            new_text=seq["text"][seq["emitted"]:], token_ids=seq["out"], text=seq["text"],
-                            finished=reason is not None, finish_reason=reason, stop_reason=stop_reason,
-                            metrics=seq["metrics"])
-        seq["emitted"] = len(seq["text"])
-        return out
+    def _output(self, seq: dict, new: list[int], reason: str | None = None) -> RequestOutput:
+        output: OutputText = seq["output"]
+        if reason == "abort":
+            output.abort()
+        return RequestOutput(request_id=seq["id"], prompt_token_ids=seq["prompt"], new_token_ids=new,
+                             new_text=output.new_text(), token_ids=seq["out"], text=output.text,
+                             finished=output.finished, finish_reason=output.finish_reason,
+                             stop_reason=output.stop_reason, metrics=seq["metrics"])
 
 
 # ---- a live server in a thread --------------------------------------------------------------------------

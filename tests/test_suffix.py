@@ -144,7 +144,7 @@ def suffix_engine(k: int, adaptive: bool = False, tree: bool = False, batch: int
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN,
                     max_batch_size=batch)
     if adaptive:
-        engine.costs = SpeculationPays()  # the controller's choices do not depend on this machine's speed
+        engine.controller.costs = SpeculationPays()  # the controller's choices do not depend on this machine's speed
     return engine
 
 
@@ -171,7 +171,7 @@ def test_a_batch_joining_and_leaving(lib):
     outs = run(engine, requests, join_at=[0, 0, 1, 3, 5])
     for (rid, prompt, params), n in zip(requests, lengths):
         assert tuple(outs[rid].token_ids) == plain("fp32", prompt)[:n]
-    cache = engine.proposer.cache
+    cache = engine.proposer.suffix_cache
     assert not cache.active and len(cache.cached) == 5
     assert sum(o.metrics.num_accepted_tokens for o in outs.values()) > 0
 

@@ -33,10 +33,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.outputs import RequestOutput
 from specdec.sampling import fan_out, pick_best
 from specdec.speculative.compat import check_draft_compatible
-from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
-from specdec.speculative.proposers import DraftModelProposer, NgramProposer, SuffixProposer
-from specdec.speculative.suffix import SuffixCache
-from specdec.speculative.tree import DynamicTree, TreeShape
+from specdec.speculative.build import build_proposer
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -158,7 +155,9 @@ class LLM:
         if self.spec is not None and self.spec.method == "suffix":
             self.memory_plan = dataclasses.replace(
                 self.memory_plan, suffix_cached_requests=self.spec.suffix_decoding_max_cached_requests)
-        proposer = self._build_proposer(self.spec, self.draft_model, self.heads, self.memory_plan.max_num_seqs)
+        proposer = build_proposer(self.spec, vocab_size=self.target.config.vocab_size,
+                                  max_num_seqs=self.memory_plan.max_num_seqs, max_model_len=self.max_model_len,
+                                  draft_model=self.draft_model, heads=self.heads)
         self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
                                    self.memory_plan.prefix_cache_blocks)
         self._ids = itertools.count()
@@ -172,7 +171,9 @@ class LLM:
             llm = LLM("qwen2.5-coder-1.5b-instruct")
             ngram = llm.engine_for(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
         """
-        proposer = self._build_proposer(spec, self._load_draft(spec), self._load_heads(spec), 1)
+        proposer = build_proposer(spec, vocab_size=self.target.config.vocab_size, max_num_seqs=1,
+                                  max_model_len=self.max_model_len, draft_model=self._load_draft(spec),
+                                  heads=self._load_heads(spec))
         return self._engine(spec, proposer, 1)
 
     def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
@@ -204,35 +205,6 @@ class LLM:
         if spec is None or spec.method not in ("medusa", "eagle") or spec.num_speculative_tokens == 0:
             return None
         return load_heads(resolve_heads(spec.model), self.target, spec.method)
-
-    @staticmethod
-    def _tree(spec: SpeculativeConfig) -> TreeShape | DynamicTree | None:
-        if spec.tree is None:
-            return None
-        if spec.tree == "default":
-            return default_tree(spec.num_speculative_tokens)
-        if spec.tree == "dynamic":
-            return DynamicTree(spec.tree_top_k, spec.tree_beam)
-        return TreeShape.from_choices(spec.tree)
-
-    def _build_proposer(self, spec: SpeculativeConfig | None, draft_model, heads, max_num_seqs: int):
-        if spec is None or spec.num_speculative_tokens == 0:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-        if spec.method == "suffix":  # one cache per engine: the requests of a served model share it
-            cache = SuffixCache(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests)
-            return SuffixProposer(cache, spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
-                                  tree=spec.tree == "dynamic")
-        if spec.method == "draft_model":
-            return DraftModelProposer(draft_model, max_num_seqs, self.max_model_len)
-        tree = self._tree(spec)
-        vocab, k = self.target.config.vocab_size, spec.num_speculative_tokens
-        if spec.method == "medusa":
-            return MedusaProposer(heads, vocab, tree, max_depth=k)
-        if spec.method == "eagle":
-            return EagleProposer(heads, vocab, max_num_seqs, self.max_model_len, tree, max_depth=k)
-        raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     # ----------------------------------------------------------------------------------- generation
     def generate(

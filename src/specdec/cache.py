@@ -2,8 +2,8 @@
 
 Layout per layer: keys and values of shape [batch, num_kv_heads, capacity, head_dim]. Row b holds one
 sequence; `lengths[b]` is how many slots of row b are committed. A forward pass writes the K/V of its
-new tokens into slots `[lengths[b], lengths[b] + T)` without committing them; only the engine moves
-lengths (`advance`, `truncate`) or gathers kept slots into place (`commit`).
+new tokens into slots `[lengths[b], lengths[b] + T)` without committing them; lengths move only through
+this class's methods (`advance`, `truncate`, `clear`, `commit` gathering kept slots into place, `move_row`).
 
 Rollback is free: truncate moves a length; rejected slots are simply overwritten by the next pass and
 hidden by the attention mask until then.
@@ -20,6 +20,8 @@ import torch
 
 from specdec.config import ModelConfig
 
+KEY_BLOCK = 64  # attention key length granularity (see models.llama): cache capacities are multiples of it
+
 
 class KVCache:
     def __init__(
@@ -29,9 +31,8 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        block: int = 64,
     ) -> None:
-        capacity = -(-capacity // block) * block  # whole attention key blocks (see models.llama)
+        capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK  # whole attention key blocks
         shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
@@ -54,6 +55,10 @@ class KVCache:
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
         self.lengths[row] = length
+
+    def clear(self, row: int) -> None:
+        """Free `row`: nothing in it is committed."""
+        self.lengths[row] = 0
 
     def advance(self, row: int, n: int) -> None:
         """Commit the first `n` slots written after the committed prefix of `row`."""

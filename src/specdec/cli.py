@@ -7,52 +7,13 @@ import json
 import sys
 import time
 
-from specdec.config import QUANTIZATIONS
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by generate and serve, with vLLM's names."""
-    parser.add_argument("--speculative-model", help="draft model (path or known name)")
-    parser.add_argument("--num-speculative-tokens", type=int, help="draft length K (fixed; without it K adapts up to 5)")
-    parser.add_argument("--speculative-config", help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                        help="target weight format (auto: on CPU the GGUF's own blocks, Q8_0 for safetensors; "
-                             "on CUDA none)")
-    parser.add_argument("--max-model-len", type=int, help="context length (default 4096)")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--memory-utilization", type=float, default=0.9,
-                        help="fraction of device (GPU) or system (CPU) memory specdec may use")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="keep the KV of prompt prefixes for later requests (default: on)")
-
-
-def build_llm(args: argparse.Namespace, model: str, max_batch_size: int = 1):
-    from specdec.api import LLM
-    from specdec.models.store import KNOWN_MODELS, pull
-
-    for name in (model, args.speculative_model):
-        if name in KNOWN_MODELS:
-            pull(name)  # instant when already pulled
-    return LLM(
-        model=model,
-        speculative_model=args.speculative_model,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_config=args.speculative_config,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        max_num_seqs=max_batch_size,
-        memory_utilization=args.memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
+from specdec.llm_args import add_llm_arguments, add_weight_arguments, build_llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.config import SamplingParams
 
-    llm = build_llm(args, args.model)
+    llm = build_llm(args, args.model, args.speculative_model)
     if args.memory_report:
         print(llm.memory_plan.report())
         return 0
@@ -113,10 +74,11 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
 
     from specdec.api import default_device, load_model
-    from specdec.heads.train import DEFAULT_DATA, TrainConfig, train_heads
+    from specdec.data import DATA_DIR
     from specdec.models.loading import resolve_dtype
     from specdec.models.quant import resolve_quantization
     from specdec.models.store import KNOWN_MODELS, pull
+    from specdec.training import TrainConfig, train_heads
 
     if args.model in KNOWN_MODELS:
         pull(args.model)
@@ -130,14 +92,15 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
         num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         eagle_cls_weight=args.cls_weight,
-        data_dir=Path(args.data_dir) if args.data_dir else DEFAULT_DATA,
+        data_dir=Path(args.data_dir) if args.data_dir else DATA_DIR,
     )
     report = train_heads(target, tokenizer, args.model, cfg)
     print(json.dumps(report))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`specdec`'s parser, every command but `bench serve` (which `main` parses on its own)."""
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -153,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--memory-report", action="store_true", help="print the memory breakdown and exit")
-    add_model_arguments(gen)
+    add_llm_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     from specdec.server.cli import add_serve_arguments, run_serve
@@ -162,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
 
-    from specdec.bench.cli import add_bench_arguments, add_bench_serve_arguments, run_bench, run_bench_serve
+    from specdec.bench.cli import add_bench_arguments, run_bench
 
     bench = sub.add_parser("bench", help="compare speculation methods on your prompts: report and plots "
                                          "(`specdec bench serve --help`: load-test a server)")
@@ -194,24 +157,28 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--lr", type=float, default=1e-3)
     heads.add_argument("--cls-weight", type=float, default=0.1, help="EAGLE: token loss weight (feature loss: 1)")
     heads.add_argument("--data-dir", help="the prompt sets (default: the ones shipped in specdec/data)")
-    heads.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
-    heads.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
-    heads.add_argument("--device")
+    add_weight_arguments(heads)
     heads.set_defaults(func=cmd_train_heads)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:  # a command of its own beside `bench TARGET`
+        from specdec.bench.cli import add_bench_serve_arguments, run_bench_serve
+
         bench_serve = argparse.ArgumentParser(prog="specdec bench serve", description="load-test an "
                                               "OpenAI-compatible server with concurrent streaming clients")
         args = add_bench_serve_arguments(bench_serve).parse_args(argv[2:])
         args.func = run_bench_serve
     else:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     from specdec.memory import MemoryBudgetError
 
     try:
         return args.func(args)
-    except (ValueError, LookupError, FileExistsError, FileNotFoundError, MemoryBudgetError) as e:
+    except (ValueError, LookupError, FileExistsError, FileNotFoundError, NotImplementedError,
+            MemoryBudgetError) as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
 

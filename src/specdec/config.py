@@ -12,6 +12,8 @@ from typing import Any
 
 # weight formats (see specdec.models.quant.resolve_quantization)
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "int8", "int4")
+# activation dtypes by name: vLLM's (half = float16, float = float32) and the short ones
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 

@@ -5,7 +5,9 @@ proposal of >= 1 tokens; *draft tokens* counts proposed tokens; *accepted tokens
 tokens the target kept; `accepted_per_position[i]` counts drafts whose token at position i was accepted.
 
     acceptance_rate        = accepted_tokens / draft_tokens
-    mean_acceptance_length = emitted_tokens / target_passes   (bonus and recovered tokens included)
+    mean_acceptance_length = 1 + accepted_tokens / drafts     (vLLM's: tokens per pass that drafted, the
+                                                               bonus or recovered token included)
+    tokens_per_pass        = emitted_tokens / target_passes   (every pass, those without a draft too)
 
 Example: K=3, drafts [a b c] and the target accepts a, b and rejects c, emitting its own c'. One pass,
 3 drafted, 2 accepted, emitted 3 (a b c'), accepted_per_position = [1, 1, 0].
@@ -63,6 +65,10 @@ class SpecMetrics:
 
     @property
     def mean_acceptance_length(self) -> float:
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
+
+    @property
+    def tokens_per_pass(self) -> float:
         return self.emitted_tokens / self.target_passes if self.target_passes else 0.0
 
     @property
@@ -82,6 +88,7 @@ class SpecMetrics:
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "tokens_per_pass": round(self.tokens_per_pass, 4),
             "target_passes": self.target_passes,
             "emitted_tokens": self.emitted_tokens,
             "prompt_tokens": self.prompt_tokens,
@@ -92,3 +99,9 @@ class SpecMetrics:
             "total_time_s": round(self.total_time, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
         }
+
+
+def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:
+    """Tokens a drafting pass emits on average: 1 + accepted / drafts (0 without drafts). The one definition,
+    for the engine's counters and the server's."""
+    return 1.0 + num_accepted_tokens / num_drafts if num_drafts else 0.0

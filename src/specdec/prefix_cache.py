@@ -129,7 +129,8 @@ class PrefixCache:
         data = data.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2 * layers, kv_heads, m * B, head_dim]
         for layer, kv in enumerate(cache.keys + cache.values):
             kv[row, :, :n] = data[layer, :, shift:]
-        cache.lengths[row] = n
+        cache.clear(row)
+        cache.advance(row, n)
         return n
 
     def clear(self) -> None:

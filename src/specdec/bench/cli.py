@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.config import QUANTIZATIONS
+from specdec.llm_args import add_llm_arguments, build_llm, pull_if_needed
 
 DATASET_PROMPTS = 10  # prompts taken from a shipped data set unless --num-prompts says otherwise
 
@@ -31,11 +31,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                                           "default draft and the shipped heads where the target has them)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs must equal plain's)")
     parser.add_argument("--seed", type=int, default=0, help="every request's seed, when sampling")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
-    parser.add_argument("--max-model-len", type=int, help="context length (default 4096; sizes drafters' caches)")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    return parser
+    return add_llm_arguments(parser, speculation=False)  # the methods say how to speculate
 
 
 def load_prompts(args: argparse.Namespace) -> list:
@@ -62,23 +58,20 @@ def require_matplotlib() -> None:
 def run_bench(args: argparse.Namespace) -> int:
     """Compare the methods on the prompts; write the report and plots; print the table and the
     recommended serve command. Exit status 1 when a greedy output differed from plain decoding's."""
-    from specdec.api import LLM
     from specdec.bench.compare import run_methods, summarize
     from specdec.bench.methods import default_methods, parse_methods
     from specdec.bench.plots import write_plots
     from specdec.bench.report import method_table, recommend, serve_command, warnings, write_report
     from specdec.config import SamplingParams
-    from specdec.models.store import KNOWN_MODELS, pull
 
     methods = parse_methods(args.methods or default_methods(args.model), args.model)
     prompts = load_prompts(args)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     require_matplotlib()
-    for name in [args.model] + [m.spec.model for m in methods if m.spec and m.spec.method == "draft_model"]:
-        if name in KNOWN_MODELS:
-            pull(name)  # instant when already pulled
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
-              device=args.device)
+    for method in methods:
+        if method.spec is not None and method.spec.method == "draft_model":
+            pull_if_needed(method.spec.model)
+    llm = build_llm(args, args.model)
     engines = [llm.engine_for(m.spec) for m in methods]
     runs = run_methods(methods, engines, [p.token_ids(llm.tokenizer) for p in prompts], params)
     summaries = summarize(runs, prompts, params.greedy)

@@ -135,7 +135,7 @@ def summarize(runs: list[MethodRun], prompts: list[Prompt], greedy: bool) -> lis
             tokens_per_s=m.tokens_per_second,
             speedup=m.tokens_per_second / base_tps,
             speedup_per_prompt=[a.tokens_per_second / b.tokens_per_second for a, b in zip(run.metrics, base.metrics)],
-            tokens_per_pass=m.mean_acceptance_length,
+            tokens_per_pass=m.tokens_per_pass,
             per_position=m.per_position_acceptance_rate,
             time_split=(m.draft_time / decode_time, m.target_time / decode_time,
                         1 - (m.draft_time + m.target_time) / decode_time),

@@ -8,7 +8,7 @@ template), and optionally `category` (the report then shows speedup by category)
 
 `--dataset humaneval` gives HumanEval's function prompts (raw completions), `spec-bench` the first turn of
 Spec-Bench's questions as chats, categories taking turns, and `spec-bench:CATEGORY` one category. Only the
-half the shipped heads never saw is used (`specdec.heads.train.prompt_split`).
+half the shipped heads never saw is used (`specdec.training.prompt_split`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Draft heads on the target itself (Medusa, EAGLE): modules, files, training."""
+"""Draft heads on the target itself (Medusa, EAGLE): the modules and their files. Training them is
+`specdec.training`, above the engine."""
 
 from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, load_heads, save_heads, target_fingerprint
 

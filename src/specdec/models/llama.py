@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.cache import KVCache
+from specdec.cache import KEY_BLOCK, KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import qgemm
 
 
-KEY_BLOCK = 64  # attention key length granularity; KV cache capacities are multiples of it
 QUERY_BLOCK = 8  # queries per attention matmul on CPU (padded): one shape per key count (see `_exact_attention`)
 
 

@@ -275,7 +275,7 @@ class _Server:
                     sub_id = request_id if len(prompt_ids) == 1 and j == 0 else f"{request_id}-{i}-{j}"
                     started = time.monotonic()
                     stream = await self.engine.add_request(sub_id, ids, seq_params, cache_salt)
-                    request.trackers[i].append(_Tracker(stream, seq_params, started, self.metrics))
+                    request.trackers[i].append(_Tracker(stream, started, self.metrics))
         except BaseException as e:
             request.close()
             if isinstance(e, ValueError):
@@ -342,7 +342,7 @@ class _Request:
                                         else "engine_error").to_dict())
                     break
                 else:
-                    text = tracker.text_delta(item)
+                    text = item.new_text  # the engine holds back a tail that may begin a stop string
                     if item.finished or text or (renderer.return_token_ids and item.new_token_ids) or \
                             item.new_logprobs:
                         chunk = renderer.chunk(item, text, index)
@@ -368,11 +368,9 @@ class _Tracker:
     """One engine request: its output stream, its timings, and its cleanup (`close`, idempotent): abort
     if unfinished, count it in the metrics."""
 
-    def __init__(self, stream: RequestStream, params: SamplingParams, started: float, metrics: ServerMetrics):
+    def __init__(self, stream: RequestStream, started: float, metrics: ServerMetrics):
         self.stream, self.started, self.metrics = stream, started, metrics
         self.request_id = stream.request_id
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
-        self._sent_chars = 0
         self.first_token_at: float | None = None
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -398,17 +396,6 @@ class _Tracker:
         except RuntimeError as e:
             raise APIError(500, str(e), code="engine_error") from None
         raise APIError(500, "the engine ended the request without a final output", code="engine_error")
-
-    def text_delta(self, out: RequestOutput) -> str:
-        """The text to stream after this output: what the engine's text gained since the last event, less a
-        tail as long as the longest stop string but one, which may yet turn out to begin a stop string (the
-        engine cuts a completed stop string off its text, so that tail must not have been sent).
-        Example, stop ["\\n\\n"]: text "a = 1\\n" streams "a = 1"; the next step's "\\n" completes the stop
-        string, the text becomes "a = 1", and nothing more is sent. A slice of the text, never a re-decode."""
-        end = len(out.text) if out.finished else max(self._sent_chars, len(out.text) - self.holdback)
-        delta = out.text[self._sent_chars:end]
-        self._sent_chars = end
-        return delta
 
     def close(self) -> None:
         if self._closed:

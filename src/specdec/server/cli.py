@@ -16,7 +16,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from specdec.config import QUANTIZATIONS
+from specdec.llm_args import add_llm_arguments, build_llm, positive_int
 from specdec.server.app import DEFAULT_CHAT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
@@ -30,36 +30,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("model", nargs="?", default=None, metavar="TARGET",
                         help="target model: a known name, a model folder or a .gguf file "
                              "(default: qwen2.5-coder-1.5b-instruct drafted by qwen2.5-coder-0.5b-instruct)")
-    parser.add_argument("--speculative-model", default=None, metavar="DRAFT", help="draft model (name or path)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                        help="draft K tokens per step (fixed K; without it K adapts up to 5)")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculation as JSON, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    parser.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
-                        type=_fraction, default=None, metavar="F",
-                        help="fraction of the device memory the engine may take, in (0, 1] (vLLM's "
-                             "--gpu-memory-utilization: of the GPU's memory on CUDA, of RAM on CPU)")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (tokens)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                        help="target weight format (auto: on CPU the GGUF's own blocks, Q8_0 for safetensors; "
-                             "on CUDA none)")
     parser.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
                         help="sequences decoded together in one batch (default 8; fewer if the memory "
                              "budget does not fit their KV cache)")
-    parser.add_argument("--max-waiting-requests", type=_positive, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+    parser.add_argument("--max-waiting-requests", type=positive_int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                         help="answer 503 (with Retry-After) to a request that finds N requests already waiting "
                              f"for a free batch slot (default {DEFAULT_MAX_WAITING_REQUESTS}); running requests are "
                              "never affected")
-    parser.add_argument("--limit-concurrency", type=_positive, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+    parser.add_argument("--limit-concurrency", type=positive_int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
                         help="open connections (and requests in progress) at most; past it the server answers "
                              f"503 (default {DEFAULT_LIMIT_CONCURRENCY})")
-    parser.add_argument("--default-max-tokens", type=_positive, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
+    parser.add_argument("--default-max-tokens", type=positive_int, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
                         help="completion tokens of a chat request that sets no max_tokens, at most (default "
                              f"{DEFAULT_CHAT_MAX_TOKENS}; fewer if the context has less room; text completions "
                              "default to 16, as OpenAI's)")
-    parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
-                        help="stop speculating while more than N sequences run")
     parser.add_argument("--special-tokens-in-messages", action="store_true",
                         help="tokenize special-token text inside chat messages (e.g. `<|im_start|>`) as the control "
                              "token it spells, as before; by default it is plain text, so that a user cannot open "
@@ -77,32 +61,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     # vLLM's flags, with vLLM's meanings where they apply here
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the random generator that samples requests carrying no seed")
-    parser.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="N",
-                        help="prompt tokens read per engine step at most (chunked prefill; default 512)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="keep the KV of finished requests' prefixes in what the memory budget leaves, so that a "
-                             "request resending them (the next turn of a conversation) prefills only the rest "
-                             "(default: on)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="a Jinja chat template (a file, or the template itself) instead of the model's")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                        help="devices per model: 1 (more are refused)")
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
-                        help="pipeline stages: 1 (more are refused)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="no line per request in the log (uvicorn's access log)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="accepted for vLLM's command lines; specdec never runs a model's code")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="accepted for vLLM's command lines; specdec always runs eagerly")
     parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                         help="default sampling parameters: 'auto' reads the model folder's generation_config.json "
                              "(a GGUF file has none), a FOLDER reads its own, 'vllm' uses none (as in vLLM)")
     parser.add_argument("--override-generation-config", default=None, metavar="JSON",
                         help="default sampling parameters set on top, e.g. '{\"temperature\": 0.5}'")
-    return parser
+    return add_llm_arguments(parser)
 
 
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -135,14 +105,6 @@ def generation_defaults(args: argparse.Namespace, model_path: str | Path) -> dic
     return {k: found[k] for k in GENERATION_DEFAULTS if found.get(k) is not None}
 
 
-def check_vllm_flags(args: argparse.Namespace) -> None:
-    """Refuse, with a reason, vLLM flags whose values cannot apply here."""
-    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
-                        ("--pipeline-parallel-size", args.pipeline_parallel_size)):
-        if value != 1:
-            raise ValueError(f"{flag} {value}: specdec runs a model on one device; use {flag} 1")
-
-
 def read_chat_template(value: str) -> str:
     """`--chat-template`: a file's text, or the argument itself when it is not a file (as vLLM does)."""
     path = Path(value).expanduser()
@@ -164,7 +126,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.memory import MemoryBudgetError
 
     try:
-        check_vllm_flags(args)
         llm = load_for_serving(args, target, draft)
         defaults = generation_defaults(args, getattr(llm, "target_path", target))
     except (ValueError, LookupError, FileNotFoundError, NotImplementedError, MemoryBudgetError) as e:
@@ -178,44 +139,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def load_for_serving(args: argparse.Namespace, target: str, draft: str | None):
-    """The LLM that `serve` runs, built from its flags (known models pulled first)."""
+    """The LLM that `serve` runs, built from its flags (`build_llm`), with its chat template and seed."""
     import torch
 
-    from specdec.api import LLM
-
-    _pull_if_needed(target)
-    if draft is not None:
-        _pull_if_needed(draft)
-    spec_config = args.speculative_config
-    if args.speculative_disable_by_batch_size is not None:
-        spec_config = json.loads(spec_config) if spec_config else {}
-        spec_config["disable_by_batch_size"] = args.speculative_disable_by_batch_size
-    kwargs: dict[str, Any] = dict(model=target, speculative_model=draft,
-                                  num_speculative_tokens=args.num_speculative_tokens,
-                                  speculative_config=spec_config, dtype=args.dtype,
-                                  quantization=args.quantization, max_model_len=args.max_model_len,
-                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
-    if args.memory_utilization is not None:
-        kwargs["memory_utilization"] = args.memory_utilization
-    if args.max_num_batched_tokens is not None:
-        kwargs["prefill_chunk"] = args.max_num_batched_tokens
-    llm = LLM(**kwargs)
+    llm = build_llm(args, target, draft, max_num_seqs=args.max_num_seqs)
     if args.chat_template is not None:
         llm.tokenizer.set_chat_template(read_chat_template(args.chat_template))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     return llm
-
-
-def _pull_if_needed(name_or_path: str) -> None:
-    """A known model name not on this machine yet is pulled (verified) first, as vLLM downloads."""
-    from specdec.models.store import ModelNotPulledError, pull, resolve_model
-
-    try:
-        resolve_model(name_or_path)
-    except ModelNotPulledError:
-        print(f"pulling {name_or_path} ...", file=sys.stderr)
-        pull(name_or_path)
 
 
 def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: dict[str, Any] | None = None) -> int:
@@ -293,24 +225,10 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _seconds(text: str) -> float:
     value = float(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 

@@ -9,7 +9,8 @@ Speculative decoding (vLLM v1's `vllm:spec_decode_*`, same meanings; see `specde
                                                                drafts whose token at position i was kept
 
 From these:  acceptance rate = accepted_tokens / draft_tokens,
-             mean acceptance length = 1 + accepted_tokens / drafts   (vLLM's; the bonus token included).
+             mean acceptance length = 1 + accepted_tokens / drafts   (vLLM's; the bonus token included;
+                                                                      `specdec.metrics.mean_acceptance_length`).
 
 Prefix caching (vLLM's names and meanings): `specdec:prefix_cache_queries_total` (prompt tokens looked up) and
 `specdec:prefix_cache_hits_total` (those found cached); hit rate = hits / queries.

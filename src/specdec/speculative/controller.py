@@ -156,6 +156,7 @@ class FixedK:
     """Always draft K tokens (speculation off when K = 0)."""
 
     adaptive = False
+    decay = 1.0  # acceptance estimates keep every verdict
 
     def __init__(self, k: int) -> None:
         self.k_max = k
@@ -267,3 +268,84 @@ class AdaptiveK:
                 self.probe_every = min(2 * self.probe_every, self.max_probe_interval)
                 k, self.probing = 1, True
         return [k] * len(estimates)
+
+
+@dataclass
+class StepReport:
+    """What the engine tells the controller after a decoding step."""
+
+    batch_size: int
+    k: int  # the K chosen for the step (the widest chain asked for)
+    forward_seconds: float | None  # one drafting forward (the proposal's measure); None: not measured
+    rows: int  # rows in the target pass (batch size x its width)
+    verify_seconds: float
+    outcomes: list[tuple[AcceptanceEstimate, int, int]]  # each judged sequence: (its estimate, depth, accepted)
+
+
+class SpeculationController:
+    """The whole speculation policy, asked one question per step (`choose`) and told one report (`report`):
+    the K policy (fixed or adaptive), the measured costs, the acceptance estimates and their decay, the
+    batch size past which speculation is off (`disable_by_batch_size`, vLLM's
+    `--speculative-disable-by-batch-size`), probes, and whether a draft model reads a joining prompt.
+
+    `restart_tokens`: what a drafting row re-reads when speculation resumes after a pause (a draft
+    model's window), a cost a probe must pay for.
+    """
+
+    def __init__(self, k_max: int, adaptive: bool = False, disable_by_batch_size: int | None = None,
+                 restart_tokens: int = 0) -> None:
+        self.policy = AdaptiveK(k_max) if adaptive and k_max > 0 else FixedK(k_max)
+        self.costs = CostModel()
+        self.acceptance = AcceptanceEstimate()  # over all sequences: the prior of new ones
+        self.disable_by_batch_size = disable_by_batch_size
+        self.restart_tokens = restart_tokens
+
+    @property
+    def k_max(self) -> int:
+        return self.policy.k_max
+
+    @property
+    def decay(self) -> float:
+        return self.policy.decay
+
+    def new_estimate(self) -> AcceptanceEstimate:
+        """A joining sequence's estimate: what earlier sequences measured, weakly."""
+        return AcceptanceEstimate.with_prior(self.acceptance.rate)
+
+    def _disabled(self, batch_size: int) -> bool:
+        return self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size
+
+    def choose(self, estimates: list[AcceptanceEstimate], remaining: list[int], room: list[int]) -> list[int]:
+        """K for each sequence of the batch this step. `remaining`: output tokens each may still emit;
+        `room`: context slots each has left. A pass emits K + 1 tokens, so K never exceeds either less one."""
+        if self._disabled(len(estimates)):
+            return [0] * len(estimates)
+        ks = self.policy.choose(estimates, self.costs, remaining=remaining, restart_tokens=self.restart_tokens)
+        return [max(0, min(k, r - 1, c - 1)) for k, r, c in zip(ks, remaining, room)]
+
+    def report(self, step: StepReport) -> None:
+        """Record a step's costs and each judged sequence's acceptance (its own estimate and the prior)."""
+        if step.k > 0 and step.forward_seconds is not None:
+            self.costs.record_draft(step.batch_size, step.forward_seconds)
+        self.costs.record_verify(step.rows, step.verify_seconds)
+        for estimate, depth, accepted in step.outcomes:
+            estimate.update(depth, accepted, self.decay)
+            self.acceptance.update(depth, accepted, self.decay)
+
+    def record_prefill(self, model: str, tokens: int, seconds: float) -> None:
+        self.costs.record_prefill(model, tokens, seconds)
+
+    def draft_reads_prompt(self, estimates: list[AcceptanceEstimate], batch_size: int, prompt_tokens: int,
+                           output_tokens: int) -> bool:
+        """Whether a draft model should read a joining prompt of `prompt_tokens` tokens (otherwise a later
+        speculative step restarts the draft on a short window). `estimates`: the running sequences';
+        `batch_size`: the batch the joining one will be in (new ones at the mean acceptance so far). Fixed
+        K: yes unless speculation is off. Adaptive: if K > 0 wins for that batch and the time saved over
+        `output_tokens` exceeds the reading (`AdaptiveK.prompt_pays`); not before anything is measured
+        (the first step is a probe)."""
+        if self._disabled(batch_size):
+            return False
+        if not self.policy.adaptive:
+            return self.k_max > 0
+        rates = [e.rate for e in estimates] + [self.acceptance.rate] * (batch_size - len(estimates))
+        return self.policy.prompt_pays(rates, self.costs, prompt_tokens, output_tokens)

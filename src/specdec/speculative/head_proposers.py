@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from specdec.sampling import process_logits
-from specdec.speculative.proposers import Draft
+from specdec.speculative.proposers import Draft, Proposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 
 
@@ -28,8 +28,8 @@ def pick_children(seq, full_logits: torch.Tensor, n: int) -> tuple[list[int], to
     return torch.multinomial(probs, n, replacement=True, generator=seq.generator).tolist(), probs
 
 
-class _FeatureProposer:
-    """Row bookkeeping shared by the head proposers."""
+class _FeatureProposer(Proposer):
+    """What the head proposers share: the head, the tree shape, growing a draft."""
 
     needs_hidden = True
 
@@ -45,12 +45,12 @@ class _FeatureProposer:
 
         return head_bytes(self.head)
 
-    @property
-    def max_draft_tokens(self) -> int:
-        """The most tokens (tree nodes) one draft can hold, for `max_depth`."""
+    def max_width(self, k: int) -> int:
+        """The most tokens (tree nodes) one draft holds when asked for k (at most `max_depth`) deep."""
+        k = min(k, self.max_depth)
         if isinstance(self.tree, DynamicTree):
-            return self.tree.max_nodes(self.max_depth)
-        return len(self.tree.paths) if self.tree is not None else self.max_depth
+            return self.tree.max_nodes(k)
+        return len(self.tree.truncated(k).paths) if self.tree is not None and k > 0 else k
 
     def _shape(self, k: int) -> TreeShape | tuple[DynamicTree, int] | None:
         """The tree (or chain) to draft with at most k tokens deep."""
@@ -120,20 +120,20 @@ class MedusaProposer(_FeatureProposer):
 
     def __init__(self, head, vocab_size: int, tree: TreeShape | DynamicTree | None = None, max_depth: int = 8) -> None:
         super().__init__(head, vocab_size, tree, min(max_depth, head.config.num_heads))
-        self.features: dict[int, torch.Tensor] = {}  # row -> [H] hidden state of the last committed token
 
+    # a sequence's state (`seq.draft_state`): [H], the hidden state of its last committed token
     def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
-        self.features[seq.row] = hidden[-1]
+        seq.draft_state = hidden[-1]
 
-    def propose(self, seqs, ks):
+    def draft(self, seqs, ks):
         limit = self.head.config.num_heads
         drafts = []
         for seq, k in zip(seqs, ks):
             shape = self._shape(min(k, limit))
-            if shape is None or seq.row not in self.features:
+            if shape is None or seq.draft_state is None:
                 drafts.append(Draft([]))
                 continue
-            logits = self.head.expand(self.head(self.features[seq.row]), self.vocab)  # [heads, V]
+            logits = self.head.expand(self.head(seq.draft_state), self.vocab)  # [heads, V]
             drafts.append(self._draft(seq, shape, partial(self._head_logits, logits)))
         return drafts
 
@@ -145,14 +145,7 @@ class MedusaProposer(_FeatureProposer):
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         for seq, h in zip(seqs, hidden):
-            self.features[seq.row] = h[-1]
-
-    def release(self, row: int) -> None:
-        self.features.pop(row, None)
-
-    def move_row(self, src: int, dst: int) -> None:
-        if src in self.features:
-            self.features[dst] = self.features.pop(src)
+            seq.draft_state = h[-1]
 
 
 class EagleProposer(_FeatureProposer):
@@ -166,28 +159,26 @@ class EagleProposer(_FeatureProposer):
     def __init__(self, head, vocab_size: int, max_batch_size: int, capacity: int,
                  tree: TreeShape | DynamicTree | None = None, max_depth: int = 8) -> None:
         super().__init__(head, vocab_size, tree, max_depth)
-        self.cache = head.new_cache(max_batch_size, capacity + self.max_draft_tokens)
-        self.pending: dict[int, torch.Tensor] = {}  # row -> [m, H] target features not yet paired
+        self.cache = head.new_cache(max_batch_size, capacity + self.max_width(max_depth))
 
     @property
     def memory_bytes(self) -> int:
         return super().memory_bytes + self.cache.nbytes
 
+    # a sequence's state (`seq.draft_state`): [m, H], the target features not yet paired (None: none)
     def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
-        self._add_pending(seq.row, hidden)
+        self._add_pending(seq, hidden)
 
-    def cached_tokens(self, row: int) -> int:
-        """Leading tokens of the sequence in `row` that the pairs in the head's cache were made of."""
-        n = self.cache.lengths[row]
+    def cached_tokens(self, seq) -> int:
+        """Leading tokens of `seq` that the pairs in the head's cache were made of."""
+        n = self.cache.lengths[seq.row]
         return n + 1 if n else 0
 
-    def _add_pending(self, row: int, hidden: torch.Tensor) -> None:
-        self.pending[row] = hidden if row not in self.pending else torch.cat([self.pending[row], hidden])
+    @staticmethod
+    def _add_pending(seq, hidden: torch.Tensor) -> None:
+        seq.draft_state = hidden if seq.draft_state is None else torch.cat([seq.draft_state, hidden])
 
-    def propose(self, seqs, ks):
-        k_max = max(ks, default=0)
-        if k_max == 0:
-            return [Draft([]) for _ in seqs]
+    def draft(self, seqs, ks):
         roots = self._feed_pending(seqs)  # [B, H] predicted feature of each sequence's last token
         drafts = []
         for b, (seq, k) in enumerate(zip(seqs, ks)):
@@ -204,7 +195,7 @@ class EagleProposer(_FeatureProposer):
         pairs = []
         for seq in seqs:
             start = self.cache.lengths[seq.row]
-            feats = self.pending.get(seq.row)
+            feats = seq.draft_state
             m = 0 if feats is None else feats.shape[0]
             pairs.append((start, feats, seq.tokens[start + 1:start + 1 + m]))
         width = max(len(t) for _, _, t in pairs)
@@ -235,7 +226,7 @@ class EagleProposer(_FeatureProposer):
         roots = []
         for b, (seq, (start, f, t)) in enumerate(zip(seqs, pairs)):
             self.cache.advance(seq.row, len(t))
-            self.pending.pop(seq.row, None)
+            seq.draft_state = None
             have_root = self.cache.lengths[seq.row] == len(seq.tokens) - 1 and self.cache.lengths[seq.row] > 0
             roots.append(pred[b, len(t) - 1] if t and have_root else None)
         return roots
@@ -261,18 +252,7 @@ class EagleProposer(_FeatureProposer):
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         for seq, h in zip(seqs, hidden):
-            self._add_pending(seq.row, h)
-
-    def release(self, row: int) -> None:
-        self.pending.pop(row, None)
-        self.cache.lengths[row] = 0
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst)
-        if src in self.pending:
-            self.pending[dst] = self.pending.pop(src)
-        else:
-            self.pending.pop(dst, None)
+            self._add_pending(seq, h)
 
 
 def default_tree(depth: int) -> TreeShape:

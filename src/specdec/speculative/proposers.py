@@ -1,19 +1,20 @@
-"""Proposers: who drafts the next tokens. One small interface, batch-first.
+"""Proposers: who drafts the next tokens. One interface (`Proposer`), batch-first.
 
 A proposer sees the running sequences (their token ids, sampling settings, generator and cache row),
 is asked for up to `ks[i]` tokens for sequence i, and is told the verdicts afterwards. "No draft" is an
-empty `Draft` on the same path.
+empty `Draft` on the same path, and no speculation at all is the `NullProposer`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq
+from typing import Sequence as Seq
 
 import numpy as np
 import torch
 
+from specdec.cache import KVCache
 from specdec.sampling import process_logits, sample
 from specdec.speculative.acceptance import Verdict
 from specdec.speculative.tree import depths
@@ -31,58 +32,87 @@ class Draft:
         return len(self.tokens) if self.parents is None else max(depths(self.parents), default=0)
 
 
-class SequenceLike(Protocol):
-    """What proposers may read of a running sequence (the engine's `Sequence`)."""
+@dataclass
+class Proposal:
+    """What a proposer returns for a step: one draft per sequence, and what one drafting forward cost."""
 
-    request_id: str
-    prompt_ids: list[int]
-    tokens: list[int]  # prompt + output so far
-    row: int  # cache row of the sequence in this batch
-    cache_salt: str | None  # only requests with the same salt share cached state (prefixes, suffix tries)
-    params: "object"  # SamplingParams
-    generator: torch.Generator
-    matcher: "object | None"  # GrammarMatcher: the grammar state of the committed tokens (structured output)
+    drafts: list[Draft]
+    forward_seconds: float | None = None  # mean time of one drafting forward (catch-up left out); None: unmeasured
 
 
-class Proposer(Protocol):
-    def propose(self, seqs: Seq[SequenceLike], ks: Seq[int]) -> list[Draft]: ...
+class Proposer:
+    """Who drafts the next tokens: everything the engine may ask of it, with the defaults of a proposer that
+    has nothing to do there. Batch-first: `seqs` are the running sequences (the engine's `Sequence`: token
+    ids, sampling settings, generator, grammar state, cache row), `ks[i]` the tokens wanted for sequence i.
 
-    def observe(self, seqs: Seq[SequenceLike], drafts: Seq[Draft], verdicts: Seq[Verdict], hidden=None) -> None:
-        """After verification; `hidden[i]` ([kept + 1, H], for proposers with `needs_hidden`) holds the
-        target's final hidden states of the tokens it committed for sequence i this step."""
+    Per-sequence state lives on the sequence (`seq.draft_state`, the proposer's to set), so it follows the
+    sequence wherever its row moves and goes when it goes. K/V of its own (a draft model, EAGLE) are in
+    `cache`, a row per sequence as in the target's cache: the engine moves and frees those rows with the
+    target's, and the prefix cache keeps them (`kv_shift`, `cached_tokens`).
+    """
 
-    def release(self, row: int) -> None: ...
+    needs_hidden = False  # reads the target's final hidden states (observe_prefill, observe's `hidden`)
+    reads_prompt = False  # reads joining prompts (`prefill`) while the engine prefills them
+    restart_tokens = 0  # what a row re-reads when drafting resumes after a pause (a draft model's window)
+    cache: KVCache | None = None
+    kv_shift = 0  # slot s of a `cache` row holds what tokens 0..s + kv_shift determine
 
-    def move_row(self, src: int, dst: int) -> None: ...
+    def max_width(self, k: int) -> int:
+        """The most tokens (tree nodes) one draft holds when asked for k: k for chains, 0 if it never drafts."""
+        return k
 
-    @property
-    def memory_bytes(self) -> int: ...
+    def propose(self, seqs: Seq, ks: Seq[int]) -> Proposal:
+        """Drafts for this step, timed as a whole: one forward per drafted token."""
+        k_max = max(ks, default=0)
+        if k_max == 0:
+            return Proposal([Draft([]) for _ in seqs])
+        t0 = _clock()
+        drafts = self.draft(seqs, ks)
+        return Proposal(drafts, (_clock() - t0) / k_max)
 
-    # Proposers with K/V of their own (a draft model, EAGLE) also have `cache` (a KVCache, a row per
-    # sequence), `kv_shift` (slot s of a row holds what tokens 0..s + kv_shift determine) and
-    # `cached_tokens(row)`: the prefix cache keeps those K/V with the target's, and restores them.
+    def draft(self, seqs: Seq, ks: Seq[int]) -> list[Draft]:
+        raise NotImplementedError
 
+    def prefill(self, seq, start: int, stop: int) -> int:
+        """Read prompt tokens [start, stop) of `seq` (with `reads_prompt`); returns how many it read."""
+        return 0
 
-class StatelessProposer:
-    """A proposer that keeps nothing per sequence: verdicts, row moves and releases concern it not."""
+    def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
+        """The target's hidden states [n, H] of the prompt tokens just prefilled (with `needs_hidden`)."""
 
-    needs_hidden = False
+    def observe(self, seqs: Seq, drafts: Seq[Draft], verdicts: Seq[Verdict], hidden=None) -> None:
+        """After verification; `hidden[i]` ([kept + 1, H], with `needs_hidden`) holds the target's final hidden
+        states of the tokens it committed for sequence i this step."""
 
-    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
-        pass
+    def release(self, seq) -> None:
+        """`seq` leaves the batch (its `cache` row is freed by the engine)."""
 
-    def release(self, row: int) -> None:
-        pass
-
-    def move_row(self, src: int, dst: int) -> None:
-        pass
+    def cached_tokens(self, seq) -> int:
+        """Leading tokens of `seq` whose K/V its `cache` row holds."""
+        return 0
 
     @property
     def memory_bytes(self) -> int:
         return 0
 
 
-class NgramProposer(StatelessProposer):
+class NullProposer(Proposer):
+    """No speculation: never drafts."""
+
+    def max_width(self, k: int) -> int:
+        return 0
+
+    def propose(self, seqs, ks) -> Proposal:
+        return Proposal([Draft([]) for _ in seqs])
+
+
+def _clock() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class NgramProposer(Proposer):
     """Prompt lookup: continue the most recent earlier occurrence of the context's last n tokens.
 
     Tries n = max_n down to min_n. Example: context [1 2 3 9 1 2], n = 2 -> the suffix [1 2] occurred at
@@ -105,12 +135,19 @@ class NgramProposer(StatelessProposer):
                 return arr[start:start + k].tolist()
         return []
 
-    def propose(self, seqs, ks):
+    def draft(self, seqs, ks):
         return [Draft(self.lookup(seq.tokens, k)) for seq, k in zip(seqs, ks)]
 
 
+@dataclass
+class _DraftRow:
+    """A draft model's state for one sequence."""
 
-class DraftModelProposer:
+    skipped: int = 0  # leading tokens of the sequence not in the draft cache (it restarted on a window)
+    drafted_from: int | None = None  # len(seq.tokens) when this step's draft began; None: no draft this step
+
+
+class DraftModelProposer(Proposer):
     """A smaller model of the same family, with its own KV cache rolled back with the target's.
 
     The draft cache holds the K/V of a stretch of each sequence. The engine feeds it the prompt while
@@ -122,11 +159,11 @@ class DraftModelProposer:
     A row more than `window` tokens behind (speculation was off for a while, or the engine did not feed
     it the prompt) restarts on the last `window` tokens only, at their true positions: feeding all it
     missed would cost a prefill, which is what made a draft that never agrees (probed now and then)
-    slower than plain decoding. `skipped[row]` counts the tokens before them. The draft then sees less
-    context, which can only lower its acceptance, never change the output.
+    slower than plain decoding. Its state counts the tokens before them (`_DraftRow.skipped`). The draft
+    then sees less context, which can only lower its acceptance, never change the output.
     """
 
-    needs_hidden = False
+    reads_prompt = True
     kv_shift = 0  # slot s of a row holds the K/V of token s
 
     def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512,
@@ -135,18 +172,22 @@ class DraftModelProposer:
         self.cache = model.new_cache(max_batch_size, capacity)
         self.prefill_chunk = prefill_chunk
         self.window = window
-        self.skipped: dict[int, int] = {}  # row -> leading tokens of the sequence not in the draft cache
-        self._drafted_from: dict[int, int] = {}  # row -> len(seq.tokens) when this step's draft began
-        self.forward_seconds: float | None = None  # mean time of this step's draft forwards (catch-up excluded)
+        self.restart_tokens = window
         self._sync = model.device.type == "cuda"
 
-    def _consumed(self, row: int) -> int:
-        """Tokens of the sequence in row `row` that the draft has seen (or skipped)."""
-        return self.skipped.get(row, 0) + self.cache.lengths[row]
+    @staticmethod
+    def state(seq) -> _DraftRow:
+        if seq.draft_state is None:
+            seq.draft_state = _DraftRow()
+        return seq.draft_state
 
-    def cached_tokens(self, row: int) -> int:
-        """Leading tokens of the sequence in `row` whose K/V the draft cache holds (none after a restart)."""
-        return 0 if self.skipped.get(row) else self.cache.lengths[row]
+    def _consumed(self, seq) -> int:
+        """Tokens of `seq` that the draft has seen (or skipped)."""
+        return self.state(seq).skipped + self.cache.lengths[seq.row]
+
+    def cached_tokens(self, seq) -> int:
+        """Leading tokens of `seq` whose K/V the draft cache holds (none after a restart)."""
+        return 0 if self.state(seq).skipped else self.cache.lengths[seq.row]
 
     @property
     def memory_bytes(self) -> int:
@@ -159,18 +200,16 @@ class DraftModelProposer:
         `prefill_chunk`; nothing if the row is not at `start` (it catches up at its first proposal).
         Returns how many tokens it fed."""
         row = seq.row
-        if self._consumed(row) != start:
+        if self._consumed(seq) != start:
             return 0
         fed = stop - start
-        view = self.cache.row_view(row)
         device = self.model.device
         while start < stop:
             end = min(stop, start + self.prefill_chunk)
             chunk = torch.tensor([seq.tokens[start:end]], device=device)
-            self.model(chunk, torch.arange(start, end, device=device)[None], view, num_logits=1)
-            view.advance(0, end - start)
+            self.model(chunk, torch.arange(start, end, device=device)[None], self.cache.row_view(row), num_logits=1)
+            self.cache.advance(row, end - start)
             start = end
-        self.cache.lengths[row] = view.lengths[0]
         return fed
 
     def _time(self) -> float:
@@ -190,23 +229,22 @@ class DraftModelProposer:
         probs = process_logits(logits[None], seq.params)[0]
         return sample(probs, seq.generator), probs
 
-    def propose(self, seqs, ks):
+    def propose(self, seqs, ks) -> Proposal:
         k_max = max(ks, default=0)
-        self._drafted_from = {}
-        self.forward_seconds = None
         if k_max == 0:
-            return [Draft([]) for _ in seqs]
+            return Proposal([Draft([]) for _ in seqs])
         device = self.model.device
         for seq in seqs:
-            row, n = seq.row, len(seq.tokens)
-            if n - self._consumed(row) > self.window + 1:  # restart the row on the last `window` tokens
-                self.skipped[row], self.cache.lengths[row] = n - 1 - self.window, 0
-            self._drafted_from[row] = n
+            state, n = self.state(seq), len(seq.tokens)
+            if n - self._consumed(seq) > self.window + 1:  # restart the row on the last `window` tokens
+                state.skipped = n - 1 - self.window
+                self.cache.truncate(seq.row, 0)
+            state.drafted_from = n
         B = len(seqs)
-        pending = [seq.tokens[self._consumed(seq.row):] for seq in seqs]  # 1 or 2 tokens each, usually
+        pending = [seq.tokens[self._consumed(seq):] for seq in seqs]  # 1 or 2 tokens each, usually
         width = max(len(p) for p in pending)
         inputs = [p + [p[-1]] * (width - len(p)) for p in pending]  # right-pad; pads are never committed
-        positions = [[self._consumed(s.row) + t for t in range(width)] for s in seqs]
+        positions = [[self._consumed(s) + t for t in range(width)] for s in seqs]
         last = [len(p) - 1 for p in pending]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -230,106 +268,73 @@ class DraftModelProposer:
                 timed_from = self._time()
             if step + 1 < k_max:
                 inputs = [[t[-1] if t else seq.tokens[-1]] for t, seq in zip(tokens, seqs)]
-                positions = [[self._consumed(s.row)] for s in seqs]
+                positions = [[self._consumed(s)] for s in seqs]
                 last = [0] * B
-        if k_max > catch_up:
-            self.forward_seconds = (self._time() - timed_from) / (k_max - catch_up)
-        return [
-            Draft(tokens[b][:ks[b]], torch.stack(probs[b][:ks[b]]) if probs[b] and ks[b] else None)
-            for b in range(B)
-        ]
+        seconds = (self._time() - timed_from) / (k_max - catch_up) if k_max > catch_up else None
+        drafts = [Draft(tokens[b][:ks[b]], torch.stack(probs[b][:ks[b]]) if probs[b] and ks[b] else None)
+                  for b in range(B)]
+        return Proposal(drafts, seconds)
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         """Roll the draft cache back to the tokens the target kept (the drafted token fed last is kept
         only if accepted; the recovered/bonus token is fed at the next proposal)."""
         for seq, verdict in zip(seqs, verdicts):
-            if seq.row not in self._drafted_from:  # the draft model did not run this step
+            state = self.state(seq)
+            if state.drafted_from is None:  # the draft model did not run this step
                 continue
-            keep = self._drafted_from[seq.row] + verdict.num_accepted - self.skipped.get(seq.row, 0)
+            keep = state.drafted_from + verdict.num_accepted - state.skipped
             self.cache.truncate(seq.row, min(keep, self.cache.lengths[seq.row]))
-        # this step's only: the engine calls observe without propose after a step without drafting, and rows
-        # change hands between steps (regression: a moved-in sequence truncated with the last occupant's length)
-        self._drafted_from = {}
-
-    def release(self, row: int) -> None:
-        self.cache.lengths[row] = 0
-        self.skipped.pop(row, None)
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst)
-        self.skipped[dst] = self.skipped.pop(src, 0)
+            state.drafted_from = None  # this step's only: the engine observes steps without drafting too
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding: drafts from suffix tries of the request's own tokens and of past outputs
     (`specdec.speculative.suffix`). No model: a draft costs microseconds, so its price is the wider
     verification pass, which the adaptive controller weighs.
 
-    Each sequence's trie is started at its first step (its prompt and what it has output), brought up to
-    date with its new tokens at each proposal, and its output completed and kept in the global trie of its
-    `cache_salt` when it leaves. A chain draft is the most frequent continuation; a tree draft (`tree`) the
-    continuations best-first by their empirical probability, K nodes at most. Drafts are point masses (`Draft.probs` None):
-    they are not drawn from a distribution, so rejection sampling treats them as such, which is exact.
+    Each sequence's trie is started at its first step (its prompt and what it has output) and brought up to
+    date with its new tokens at each proposal; when it leaves, its whole output joins the global trie of its
+    `cache_salt` (the cache knows sequences by `request_id`; `seq.draft_state` marks those it started). A chain
+    draft is the most frequent continuation; a tree draft (`tree`) the continuations best-first by their
+    empirical probability, K nodes at most. Drafts are point masses (`Draft.probs` None): they are not drawn
+    from a distribution, so rejection sampling treats them as such, which is exact.
     """
 
-    needs_hidden = False
-
     def __init__(self, cache, max_spec_factor: float = 1.0, min_token_prob: float = 0.1, tree: bool = False) -> None:
-        self.cache = cache  # a specdec.speculative.suffix.SuffixCache
+        self.suffix_cache = cache  # a specdec.speculative.suffix.SuffixCache
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.tree = tree
-        self._rows: dict[int, SequenceLike] = {}  # row -> the sequence the cache knows there
 
     def _track(self, seq) -> None:
-        """Start `seq` in the cache if new (the sequence the cache knew in its row has left), then add its new
-        tokens."""
-        known = self._rows.get(seq.row)
-        if known is not seq:
-            if known is not None:
-                self._finish(known)
-            self._rows[seq.row] = seq
-            self.cache.stop(seq.request_id)  # (a request id reused while the cache still had it: a new request)
-            self.cache.start(seq.request_id, seq.prompt_ids, seq.cache_salt)
-        self._add_new_tokens(seq)
-
-    def _add_new_tokens(self, seq) -> None:
-        consumed = self.cache.consumed(seq.request_id)
+        """Start `seq` in the cache at its first step, then add its new tokens."""
+        if seq.draft_state is None:
+            seq.draft_state = "suffix"
+            self.suffix_cache.stop(seq.request_id)  # (a request id reused while the cache had it: a new request)
+            self.suffix_cache.start(seq.request_id, seq.prompt_ids, seq.cache_salt)
+        consumed = self.suffix_cache.consumed(seq.request_id)
         if consumed < len(seq.tokens):
-            self.cache.extend(seq.request_id, seq.tokens[consumed:])
+            self.suffix_cache.extend(seq.request_id, seq.tokens[consumed:])
 
-    def _finish(self, seq) -> None:
-        """`seq` leaves: its whole output joins the global trie, its own trie is dropped."""
-        self._add_new_tokens(seq)
-        self.cache.stop(seq.request_id)
-
-    def propose(self, seqs, ks):
+    def draft(self, seqs, ks):
         drafts = []
         for seq, k in zip(seqs, ks):
             self._track(seq)
-            if k <= 0:
-                drafts.append(Draft([]))
-                continue
-            d = self.cache.speculate(seq.request_id, seq.tokens[-self.cache.max_depth:], k, self.max_spec_factor,
-                                     self.min_token_prob, self.tree)
+            d = self.suffix_cache.speculate(seq.request_id, seq.tokens[-self.suffix_cache.max_depth:], k,
+                                            self.max_spec_factor, self.min_token_prob, self.tree)
             drafts.append(Draft(d.tokens, parents=d.parents if self.tree and d.tokens else None))
         return drafts
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         for seq in seqs:  # known from its first step, so that its output is kept even if it never drafts
-            if self._rows.get(seq.row) is not seq:
+            if seq.draft_state is None:
                 self._track(seq)
 
-    def release(self, row: int) -> None:
-        seq = self._rows.pop(row, None)
-        if seq is not None:
-            self._finish(seq)
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.release(dst)  # the sequence that left dst
-        if src in self._rows:
-            self._rows[dst] = self._rows.pop(src)
+    def release(self, seq) -> None:
+        if seq.draft_state is not None:
+            self._track(seq)  # its last tokens
+            self.suffix_cache.stop(seq.request_id)
 
     @property
     def memory_bytes(self) -> int:
-        return self.cache.memory_bytes
+        return self.suffix_cache.memory_bytes

@@ -14,6 +14,8 @@ from it when sampling (so that tree rejection sampling stays exact).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence as Seq
 
 import torch
 
@@ -54,10 +56,17 @@ class TreeShape:
         return max(len(p) for p in self.paths)
 
     def truncated(self, depth: int) -> "TreeShape | None":
-        """The nodes at depth <= `depth` (None if depth is 0)."""
-        if depth <= 0:
-            return None
-        return TreeShape.from_choices([list(p) for p in self.paths if len(p) <= depth])
+        """The nodes at depth <= `depth` (None if depth is 0); built once per shape and depth."""
+        return _truncated(self, depth)
+
+
+@lru_cache(maxsize=256)
+def _truncated(shape: TreeShape, depth: int) -> TreeShape | None:
+    if depth <= 0:
+        return None
+    if depth >= shape.depth:
+        return shape
+    return TreeShape.from_choices([list(p) for p in shape.paths if len(p) <= depth])
 
 
 @dataclass(frozen=True)
@@ -77,16 +86,27 @@ class DynamicTree:
         return self.top_k + (depth - 1) * self.beam * self.top_k
 
 
-def depths(parents: list[int]) -> list[int]:
+def depths(parents: Seq[int]) -> list[int]:
     """Depth of each node, 1 for children of the root."""
+    return list(_depths(tuple(parents)))
+
+
+@lru_cache(maxsize=1024)
+def _depths(parents: tuple[int, ...]) -> tuple[int, ...]:
     out: list[int] = []
     for p in parents:
         out.append(1 if p < 0 else out[p] + 1)
-    return out
+    return tuple(out)
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[N + 1, N + 1] bool for `[root, *nodes]`: row i may attend column j iff j is i or an ancestor."""
+def ancestor_mask(parents: Seq[int]) -> torch.Tensor:
+    """[N + 1, N + 1] bool for `[root, *nodes]`: row i may attend column j iff j is i or an ancestor.
+    Built once per tree shape: the tensor is shared, read it only."""
+    return _ancestor_mask(tuple(parents))
+
+
+@lru_cache(maxsize=1024)
+def _ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     n = len(parents)
     mask = torch.eye(n + 1, dtype=torch.bool)
     mask[:, 0] = True

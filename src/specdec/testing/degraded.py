@@ -1,6 +1,7 @@
 """A deliberately bad draft: a real draft model whose logits are permuted, so it rarely agrees.
 
-Used by tests and benchmarks of adaptive speculation (the acceptance-degradation scenario).
+Used by tests and benchmarks of adaptive speculation (the acceptance-degradation scenario); nothing at
+run time drafts with it (`specdec bench` offers no degraded method).
 """
 
 from __future__ import annotations

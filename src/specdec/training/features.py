@@ -1,0 +1,145 @@
+"""The training data of draft heads and the target's features on it, cached in shards.
+
+Windows of token ids come from two sources (all available without a network): the Python standard
+library's sources (`stdlib_windows`) and the target's own greedy answers to the *training split* of
+specdec's prompt sets (`prompt_split`, `self_distilled`). One target pass over each window gives its
+features (final hidden states) and the target's greedy next token at every position (`extract_features`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from specdec.config import SamplingParams
+
+
+def prompt_split(data_dir: Path, tokenizer, split: str) -> list[list[int]]:
+    """Prompt token ids of one split: "train" (HumanEval 100-163, the second half of each Spec-Bench
+    category) or "eval" (the rest: what benchmarks and tests use)."""
+    with gzip.open(data_dir / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        humaneval = [json.loads(line) for line in f]
+    with open(data_dir / "spec_bench" / "question.jsonl") as f:
+        spec_bench = [json.loads(line) for line in f]
+    train = split == "train"
+    prompts = [tokenizer.encode(r["prompt"]) for r in (humaneval[100:] if train else humaneval[:100])]
+    by_category: dict[str, list[dict]] = {}
+    for row in spec_bench:
+        by_category.setdefault(row["category"], []).append(row)
+    chats = []
+    for rows in by_category.values():
+        half = len(rows) // 2
+        chats.append(rows[half:] if train else rows[:half])
+    for group in zip(*chats):  # interleave categories
+        for row in group:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}])
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    if train:  # alternate code completions and chats
+        code, chat = prompts[: len(humaneval) - 100], prompts[len(humaneval) - 100:]
+        prompts = [p for pair in zip(code, chat) for p in pair]
+    return prompts
+
+
+def stdlib_windows(tokenizer, total_tokens: int, seq_len: int, seed: int) -> list[list[int]]:
+    """Windows of `seq_len` tokens from the standard library's .py files (tests excluded), seeded order,
+    at most two windows a file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0].lower()
+                   and "site-packages" not in p.parts)
+    random.Random(seed).shuffle(files)
+    windows, n = [], 0
+    for path in files:
+        if n >= total_tokens:
+            break
+        try:
+            ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+        for start in range(0, min(len(ids), 2 * seq_len) - 32, seq_len):
+            windows.append(ids[start:start + seq_len])
+            n += len(windows[-1])
+    return windows
+
+
+def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int, seq_len: int) -> list[list[int]]:
+    """The target's own greedy answers, appended to their prompts (cut to the last seq_len tokens)."""
+    from specdec.engine import Engine
+
+    engine = Engine(target, tokenizer, max_model_len=4096, max_batch_size=4)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids[-max(16, seq_len - max_tokens):], params)  # a prompt's tail
+    done: dict[str, list[int]] = {}
+    with tqdm(total=len(prompts) * max_tokens, desc="self-distill", unit="tok") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                bar.update(len(out.new_token_ids))
+                if out.finished:
+                    done[out.request_id] = out.prompt_token_ids + out.token_ids
+    return [done[str(i)][-seq_len:] for i in range(len(prompts))]
+
+
+@torch.inference_mode()
+def extract_features(target, windows: dict[str, list[list[int]]], out: Path) -> list[Path]:
+    """One target pass per window of each source, in order; shard i (`out/shard_0000i.safetensors`, kept
+    if already there) holds tokens [T], hidden [T, H] (bf16) and target_next [T], its source in the metadata."""
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    todo = [(source, w) for source in windows for w in windows[source]]
+    for i, (source, ids) in enumerate(tqdm(todo, desc="features", unit="window")):
+        path = out / f"shard_{i:05d}.safetensors"
+        shards.append(path)
+        if path.exists():
+            continue
+        cache = target.new_cache(1, len(ids))
+        positions = torch.arange(len(ids))[None].to(target.device)
+        logits, hidden = target(torch.tensor([ids], device=target.device), positions, cache, return_hidden=True)
+        save_file({
+            "tokens": torch.tensor(ids),
+            "hidden": hidden[0].to(torch.bfloat16).cpu().contiguous(),
+            "target_next": logits[0].argmax(-1).cpu(),
+        }, str(path), metadata={"source": source})
+    return shards
+
+
+def load_windows(shards: list[Path]) -> list[dict]:
+    """Each shard as {"hidden": [T, H] float32, "tokens": [T], "target_next": [T]}."""
+    out = []
+    for path in shards:
+        t = load_file(str(path))
+        out.append({"hidden": t["hidden"].float(), "tokens": t["tokens"], "target_next": t["target_next"]})
+    return out
+
+
+def collate(windows: list[dict]) -> dict:
+    """Windows stacked into a batch ([B, T, ...]), cut to the shortest."""
+    T = min(w["tokens"].shape[0] for w in windows)
+    return {k: torch.stack([w[k][:T] for w in windows]) for k in windows[0]}
+
+
+def choose_vocab(shards: list[Path], size: int, vocab: int) -> torch.Tensor:
+    """The `size` tokens the target chose most often (ties: those frequent in the text), sorted ids."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for path in shards:
+        t = load_file(str(path))
+        counts += torch.bincount(t["target_next"], minlength=vocab) * 4 + torch.bincount(t["tokens"], minlength=vocab)
+    size = min(size, int((counts > 0).sum()))
+    return torch.topk(counts.float(), size).indices.sort().values
+
+
+def tokens_by_source(shards: list[Path]) -> dict[str, int]:
+    """Tokens per source, read from the shards' headers. Example: {"self_distill": 3072, "stdlib": 24064}."""
+    sources: dict[str, int] = {}
+    for path in shards:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        source = header["__metadata__"]["source"]
+        sources[source] = sources.get(source, 0) + header["tokens"]["shape"][0]
+    return sources

@@ -1,0 +1,229 @@
+"""`specdec train-heads`: train Medusa or EAGLE heads on the target's own features, offline.
+
+    shards = features of the training windows (cached in OUT/features)
+    run = _setup(...)      held-out split, reduced vocabulary, heads on the target, optimizer
+    _loop(run, cfg)        AdamW steps, checkpoint every `checkpoint_every` steps (OUT/checkpoint.pt)
+    _report(run, ...)      held-out top-1 agreement, data, losses, times -> OUT/report.json and the heads' config
+
+Rerunning the same command resumes both the features and the training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specdec.data import DATA_DIR
+from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, embedding_table, save_heads
+from specdec.training.features import (
+    choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, stdlib_windows,
+    tokens_by_source,
+)
+from specdec.training.losses import eagle_losses, evaluate, medusa_losses
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: str
+    out: Path
+    features: Path | None = None  # feature shards (default: OUT/features); share them between methods
+    corpus_tokens: int = 24_000  # standard-library tokens
+    self_distill_prompts: int = 24
+    self_distill_tokens: int = 128
+    seq_len: int = 256
+    vocab_size: int = 8192
+    num_heads: int = 3  # medusa
+    epochs: int = 4
+    batch_size: int = 4
+    lr: float = 1e-3
+    held_out: float = 0.08  # fraction of windows kept for the accuracy report
+    checkpoint_every: int = 100
+    eagle_cls_weight: float = 0.1  # EAGLE: weight of the token loss beside the feature loss
+    seed: int = 0
+    data_dir: Path = DATA_DIR  # the prompt sets shipped with specdec (package data)
+    prompts: tuple[tuple[int, ...], ...] | None = None  # self-distillation prompts instead of the data's train split
+
+    @property
+    def features_dir(self) -> Path:
+        return self.features or self.out / "features"
+
+
+def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
+    """Extract features (cached), train (resuming from the checkpoint), save the heads and report.json to
+    cfg.out; return the report."""
+    t0 = time.perf_counter()
+    shards = extract_features(target, training_windows(target, tokenizer, cfg), cfg.features_dir)
+    extract_time = time.perf_counter() - t0
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    with torch.inference_mode(False), torch.enable_grad():
+        run = _setup(target, target_name, cfg, shards)
+        _resume(run, cfg.out / "checkpoint.pt")
+        before = evaluate(run.head, run.eval_windows, run.to_reduced) if run.step == 0 else None
+        _loop(run, cfg)
+        report = _report(run, cfg, target_name, shards, extract_time, before)
+        run.head.config = dataclasses.replace(run.head.config, training=report)
+        save_heads(run.head, cfg.out)
+    (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+@torch.inference_mode()
+def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list[int]]]:
+    """The windows to train on by source, {"self_distill": [...], "stdlib": [...]}: the target's answers to
+    the data's training split (or to cfg.prompts), and standard-library sources. Kept in
+    features/windows.json, so that a rerun reads the same ones."""
+    manifest = cfg.features_dir / "windows.json"
+    if manifest.exists():
+        return json.loads(manifest.read_text())
+    if cfg.prompts is not None:
+        prompts = [list(p) for p in cfg.prompts][: cfg.self_distill_prompts]
+    elif cfg.self_distill_prompts:
+        prompts = prompt_split(cfg.data_dir, tokenizer, "train")[: cfg.self_distill_prompts]
+    else:
+        prompts = []
+    distilled = self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len) if prompts else []
+    windows = {"self_distill": distilled, "stdlib": stdlib_windows(tokenizer, cfg.corpus_tokens, cfg.seq_len, cfg.seed)}
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps(windows))
+    return windows
+
+
+@dataclass
+class _Run:
+    """What `_setup` builds; `_loop` advances `step`, `train_time` and `losses`."""
+
+    head: MedusaHeads | EagleHead
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    train_windows: list[dict]
+    eval_windows: list[dict]
+    to_reduced: torch.Tensor  # [target vocab]: a token's id in the heads' vocabulary, -100 outside it
+    steps_per_epoch: int
+    total_steps: int
+    step: int = 0
+    train_time: float = 0.0  # seconds in training steps, over every run of the command
+    losses: list[float] = field(default_factory=list)  # each step's loss in this run
+
+
+def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path]) -> _Run:
+    """Hold out cfg.held_out of the windows (seeded), choose the heads' vocabulary on the others, build the
+    heads on the target and their optimizer."""
+    torch.manual_seed(cfg.seed)
+    windows = load_windows(shards)
+    order = list(range(len(windows)))
+    random.Random(cfg.seed).shuffle(order)
+    n_eval = max(1, int(len(windows) * cfg.held_out))
+    vocab_ids = choose_vocab([shards[i] for i in order[n_eval:]], cfg.vocab_size, target.config.vocab_size)
+    head = _trainable_heads(target, target_name, cfg, vocab_ids)
+    to_reduced = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
+    to_reduced[vocab_ids] = torch.arange(len(vocab_ids))
+    params = [p for p in head.parameters() if p.requires_grad]
+    steps_per_epoch = max(1, (len(windows) - n_eval) // cfg.batch_size)
+    return _Run(head=head, params=params, optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0),
+                train_windows=[windows[i] for i in order[n_eval:]], eval_windows=[windows[i] for i in order[:n_eval]],
+                to_reduced=to_reduced, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * cfg.epochs)
+
+
+def _trainable_heads(target, target_name: str, cfg: TrainConfig, vocab_ids: torch.Tensor) -> MedusaHeads | EagleHead:
+    """New heads for `target` over `vocab_ids`, in float32 on the CPU, reading the target's output rows and
+    (EAGLE) embeddings as normal tensors (the target may run in inference mode)."""
+    config = HeadsConfig.for_target(cfg.method, target, target_name, len(vocab_ids),
+                                    **({"num_heads": cfg.num_heads} if cfg.method == "medusa" else {}))
+    head = (MedusaHeads if cfg.method == "medusa" else EagleHead)(config)
+    head.vocab_ids = vocab_ids.clone()
+    head.float().attach(target)
+    head.lm_rows = head.lm_rows.float().clone()
+    if isinstance(head, EagleHead):
+        table = embedding_table(target)
+        head.embed = lambda ids: F.embedding(ids, table)
+    return head.to("cpu")
+
+
+def _resume(run: _Run, checkpoint: Path) -> None:
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=True)
+        run.head.load_state_dict(state["head"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.step, run.train_time = state["step"], state["train_time"]
+        print(f"resuming from step {run.step} of {run.total_steps}")
+
+
+def _loop(run: _Run, cfg: TrainConfig) -> None:
+    """Train to run.total_steps: batches of each epoch in a seeded order, `cosine_lr`, gradients clipped to
+    norm 1; a checkpoint every cfg.checkpoint_every steps and at the end."""
+    losses_fn = medusa_losses if cfg.method == "medusa" else partial(eagle_losses, cls_weight=cfg.eagle_cls_weight)
+    warmup = min(20, run.total_steps // 10)
+    bar = tqdm(total=run.total_steps, initial=run.step, desc=f"train {cfg.method}", unit="step")
+    while run.step < run.total_steps:
+        epoch, i = divmod(run.step, run.steps_per_epoch)
+        perm = list(range(len(run.train_windows)))
+        random.Random(cfg.seed * 1000 + epoch).shuffle(perm)
+        batch = collate([run.train_windows[j] for j in perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]])
+        t = time.perf_counter()
+        for group in run.optimizer.param_groups:
+            group["lr"] = cosine_lr(run.step, run.total_steps, warmup, cfg.lr)
+        loss, _ = losses_fn(run.head, batch, run.to_reduced)
+        run.optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(run.params, 1.0)
+        run.optimizer.step()
+        run.train_time += time.perf_counter() - t
+        run.step += 1
+        run.losses.append(loss.item())
+        bar.set_postfix(loss=f"{_mean(run.losses[-20:]):.3f}")
+        bar.update(1)
+        if run.step % cfg.checkpoint_every == 0 or run.step == run.total_steps:
+            torch.save({"head": run.head.state_dict(), "optimizer": run.optimizer.state_dict(), "step": run.step,
+                        "train_time": run.train_time}, cfg.out / "checkpoint.pt")
+    bar.close()
+
+
+def cosine_lr(step: int, total_steps: int, warmup: int, peak: float) -> float:
+    """A linear warm-up to `peak` over `warmup` steps, then a cosine decay to 0 at `total_steps`.
+    Example: with total_steps 100, warmup 10, peak 1e-3: step 0 -> 1e-4, step 10 -> 1e-3, step 55 -> 5e-4."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+
+def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], extract_time: float,
+            before: list[float] | None) -> dict:
+    """What was trained on and how well it went: held-out top-1 agreement before (None when resumed) and
+    after, the data, the losses (first step of this run, mean of the last 20) and the times."""
+    accuracy = evaluate(run.head, run.eval_windows, run.to_reduced)
+    eval_labels = torch.cat([w["target_next"] for w in run.eval_windows])
+    return {
+        "method": cfg.method,
+        "target": target_name,
+        "data_tokens": tokens_by_source(shards),
+        "windows": {"train": len(run.train_windows), "held_out": len(run.eval_windows), "seq_len": cfg.seq_len},
+        "held_out_prompts": "HumanEval 0-99 and the first half of each Spec-Bench category are never trained on",
+        "vocab_size": len(run.head.vocab_ids),
+        "vocab_coverage_held_out": round(float((run.to_reduced[eval_labels] >= 0).float().mean()), 4),
+        "steps": run.total_steps,
+        "epochs": cfg.epochs,
+        "lr": cfg.lr,
+        **({"cls_weight": cfg.eagle_cls_weight} if cfg.method == "eagle" else {}),
+        "batch_size": cfg.batch_size,
+        "extract_time_s": round(extract_time, 1),
+        "train_time_s": round(run.train_time, 1),
+        "first_loss": run.losses[0] if run.losses else None,
+        "final_loss": _mean(run.losses[-20:]),
+        "parameters": sum(p.numel() for p in run.params),
+        "held_out_top1_before": before,
+        ("held_out_top1_per_head" if cfg.method == "medusa" else "held_out_top1_per_depth"): accuracy,
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(1, len(values))

@@ -1,0 +1,40 @@
+"""The files specdec reads at run time ship with it: pyproject's package data covers them, and they are found
+next to the modules that read them, not through the source checkout's layout."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path, PurePosixPath
+
+import specdec
+from specdec.data import DATA_DIR
+from specdec.training import TrainConfig
+
+ROOT = Path(specdec.__file__).parent
+PYPROJECT = ROOT.parent.parent / "pyproject.toml"
+
+
+def read_at_run_time() -> list[PurePosixPath]:
+    """The prompt sets (bench, training), the kernels' sources (compiled on first use), the shipped heads."""
+    files = [p for p in (ROOT / "data").rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")]
+    files += list((ROOT / "kernels").glob("*.cpp"))
+    files += [p for name in ("config.json", "model.safetensors")
+              for p in (ROOT / "heads" / "pretrained").glob(f"*/{name}")]
+    return sorted(PurePosixPath(p.relative_to(ROOT).as_posix()) for p in files)
+
+
+def test_the_files_read_at_run_time_are_package_data():
+    globs = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-data"]["specdec"]
+    files = read_at_run_time()
+    assert {"data/humaneval/HumanEval.jsonl.gz", "data/spec_bench/question.jsonl", "kernels/qgemm.cpp"} \
+        <= set(map(str, files))
+    missing = [str(f) for f in files
+               if not any(len(f.parts) == len(PurePosixPath(g).parts) and f.match(g) for g in globs)]
+    assert missing == []
+
+
+def test_training_finds_its_prompts_inside_the_package():
+    assert DATA_DIR == ROOT / "data"
+    assert TrainConfig(method="eagle", out=Path("unused")).data_dir == DATA_DIR
+    assert (DATA_DIR / "humaneval" / "HumanEval.jsonl.gz").is_file()
+    assert (DATA_DIR / "spec_bench" / "question.jsonl").is_file()
