@@ -5,8 +5,9 @@ text, metrics, the controller), for plain decoding, n-gram and draft-model specu
     python benchmarks/bench_step_overhead.py [--rounds 5] [--compare-with OTHER_CHECKOUT]
 
 With `--compare-with`, the same measurement runs alternately on this checkout's `src` and the other's
-(each round one after the other, in fresh processes), so the two are compared side by side on one machine
-at one time; the table gives each one's median over the rounds and the ratio.
+(each round one after the other, in fresh processes, the order swapped every round), so the two are
+compared side by side on one machine at one time; the table gives each one's median over the rounds and
+the ratio.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 CONFIGS = [("plain", 1), ("plain", 4), ("ngram", 1), ("ngram", 4), ("draft", 1), ("draft", 4)]
 K = 5
 MAX_TOKENS = 48
+REQUESTS = 16  # measured per configuration
 
 
 class _Tokenizer:
@@ -86,11 +88,12 @@ def measure() -> dict[str, float]:
                         max_batch_size=batch)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         with torch.inference_mode():
-            for i in range(2 * batch):  # the first batch warms up; the second is measured
-                if i == batch:
-                    while engine.has_unfinished_requests():
-                        engine.step()
-                    clock[0], steps, t0 = 0.0, 0, time.perf_counter()
+            for i in range(batch):  # warm-up
+                engine.add_request(f"w{i}", [(7 * i + j) % 90 for j in range(24)], params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            clock[0], steps, t0 = 0.0, 0, time.perf_counter()
+            for i in range(REQUESTS):  # measured: REQUESTS requests, `batch` at a time
                 engine.add_request(str(i), [(7 * i + j) % 90 for j in range(24)], params)
             while engine.has_unfinished_requests():
                 engine.step()
@@ -112,8 +115,9 @@ def main() -> int:
     if args.compare_with:
         trees["other"] = args.compare_with.resolve()
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees.items():
+    for r in range(args.rounds):
+        order = list(trees.items())
+        for name, tree in order if r % 2 == 0 else order[::-1]:  # ABBA: whoever runs first has no edge
             env = {**os.environ, "PYTHONPATH": str(tree / "src")}
             out = subprocess.run([sys.executable, __file__, "--measure"], env=env, check=True, capture_output=True,
                                  text=True).stdout

@@ -107,7 +107,7 @@ class NullProposer(Proposer):
 
 
 def _clock() -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (work queued on a GPU belongs to the drafting it timed)
         torch.cuda.synchronize()
     return time.perf_counter()
 
@@ -241,10 +241,11 @@ class DraftModelProposer(Proposer):
                 self.cache.truncate(seq.row, 0)
             state.drafted_from = n
         B = len(seqs)
-        pending = [seq.tokens[self._consumed(seq):] for seq in seqs]  # 1 or 2 tokens each, usually
+        consumed = [self._consumed(seq) for seq in seqs]
+        pending = [seq.tokens[c:] for seq, c in zip(seqs, consumed)]  # 1 or 2 tokens each, usually
         width = max(len(p) for p in pending)
         inputs = [p + [p[-1]] * (width - len(p)) for p in pending]  # right-pad; pads are never committed
-        positions = [[self._consumed(s) + t for t in range(width)] for s in seqs]
+        positions = [list(range(c, c + width)) for c in consumed]
         last = [len(p) - 1 for p in pending]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
