@@ -18,8 +18,6 @@ import argparse
 import gzip
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from load_test import free_port, launch
 from specdec.data import DATA_DIR
 
 TARGET, DRAFT, K = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", 5
@@ -52,12 +51,6 @@ def the_file() -> str:
     return "\n\n".join(r["prompt"].strip() for r in rows)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(mode: str, port: int, llama_server: Path) -> list[str]:
     if mode == "llama.cpp":
         from specdec.models.store import resolve_model
@@ -68,23 +61,6 @@ def server_command(mode: str, port: int, llama_server: Path) -> list[str]:
     flags = ["--no-enable-prefix-caching"] if mode == "specdec, no cache" else []
     return [sys.executable, "-m", "specdec", "serve", TARGET, "--speculative-model", DRAFT, "--num-speculative-tokens",
             str(K), "--max-num-seqs", "1", "--max-model-len", "4096", "--port", str(port), *flags]
-
-
-def start_server(cmd: list[str], port: int, log_dir: str) -> subprocess.Popen:
-    log = open(os.path.join(log_dir, f"server-{port}.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)} (log in {log_dir})")
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in 600 s")
 
 
 def turn(url: str, messages: list[dict], max_tokens: int) -> dict:
@@ -138,7 +114,7 @@ def main() -> None:
     runs = {}
     for mode in modes:
         port = free_port()
-        proc = start_server(server_command(mode, port, args.llama_server), port, log_dir)
+        proc = launch(server_command(mode, port, args.llama_server), port, log_dir)
         try:
             url = f"http://127.0.0.1:{port}"
             for _ in range(2):  # one-time costs (the second: of a hit), not measured

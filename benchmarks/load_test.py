@@ -61,18 +61,22 @@ def start_server(serve_args: list[str], log_dir: str, model: str = MODEL) -> tup
     """`specdec serve model *serve_args` on a free port, its log in `log_dir`; (process, url) once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "specdec", "serve", model, *serve_args, "--port", str(port)]
+    return launch(cmd, port, log_dir), f"http://127.0.0.1:{port}"
+
+
+def launch(cmd: list[str], port: int, log_dir: str) -> subprocess.Popen:
+    """Run the server `cmd` (listening on `port`), its log in `log_dir`; the process once /health answers."""
     log = open(os.path.join(log_dir, f"server-{port}.log"), "w")  # the server's own log, for what went wrong
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)} (log in {log_dir})")
         time.sleep(1)
     proc.kill()
     raise RuntimeError("server did not become healthy in 600 s")

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from specdec.bench.compare import decode as run
 from specdec.config import SamplingParams
 from specdec.data import DATA_DIR
 from specdec.engine import Engine
@@ -42,15 +43,6 @@ def pair():
     llm = LLM("qwen2.5-coder-1.5b-instruct", speculative_model="qwen2.5-coder-0.5b-instruct",
               num_speculative_tokens=5, max_model_len=1024)
     return llm
-
-
-def run(engine: Engine, ids: list[int], params: SamplingParams):
-    engine.add_request("r", ids, params)
-    out = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            pass
-    return out
 
 
 def test_target_rows_do_not_depend_on_rows_computed_together(pair):

@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 
+from specdec.bench.compare import decode
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.speculative.proposers import SuffixProposer
@@ -24,24 +25,15 @@ def llm():
     return LLM("qwen2.5-coder-1.5b-instruct", max_model_len=1024)
 
 
-def run(engine: Engine, ids: list[int]):
-    engine.add_request("r", ids, PARAMS)
-    out = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            pass
-    return out
-
-
 def test_suffix_greedy_is_bit_exact(llm):
     tok = llm.tokenizer
     code = inspect.getsource(colorsys.hls_to_rgb)
     edit = tok.encode_parts(tok.render_chat([{"role": "user", "content": f"```python\n{code}```\nRename the "
                                               "parameter `l` to `lightness`. Reply with the whole function."}]))
-    expected = run(Engine(llm.target, tok, None, 0, max_model_len=1024), edit).token_ids
+    expected = decode(Engine(llm.target, tok, None, 0, max_model_len=1024), edit, PARAMS).token_ids
     for tree in (False, True):
         proposer = SuffixProposer(SuffixCache(24, 0), tree=tree)
-        out = run(Engine(llm.target, tok, proposer, 16, max_model_len=1024), edit)
+        out = decode(Engine(llm.target, tok, proposer, 16, max_model_len=1024), edit, PARAMS)
         assert out.token_ids == expected, f"tree={tree}"
         m = out.metrics
         assert m.num_accepted_tokens >= 16 and m.target_passes < 30 and m.num_accepted_tokens < m.num_draft_tokens

@@ -68,6 +68,19 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
+    """--speculative-config's JSON object (None stays None); anything else is a ValueError saying so."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    return value
+
+
 def build_speculative_config(
     speculative_model: str | None,
     num_speculative_tokens: int | None,
@@ -80,12 +93,7 @@ def build_speculative_config(
     `{"method": "suffix"}` drafts adaptively with up to `suffix_decoding_max_tree_depth` tokens (24).
     """
     if isinstance(speculative_config, str):
-        try:
-            speculative_config = json.loads(speculative_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(speculative_config, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+        speculative_config = parse_speculative_config(speculative_config)
     if speculative_config is None and speculative_model is None:
         if num_speculative_tokens:
             raise ValueError("--num-speculative-tokens needs --speculative-model or --speculative-config")

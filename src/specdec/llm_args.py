@@ -12,7 +12,6 @@ refuse the same things.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -82,6 +81,8 @@ def llm_kwargs(args: argparse.Namespace, model: str, draft: str | None) -> dict[
     check_vllm_flags(args)
     spec_config: dict[str, Any] | str | None = args.speculative_config
     if args.speculative_disable_by_batch_size is not None:
+        from specdec.api import parse_speculative_config
+
         spec_config = parse_speculative_config(spec_config) or {}
         spec_config["disable_by_batch_size"] = args.speculative_disable_by_batch_size
     kwargs: dict[str, Any] = dict(
@@ -114,19 +115,6 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
                         ("--pipeline-parallel-size", args.pipeline_parallel_size)):
         if value != 1:
             raise ValueError(f"{flag} {value}: specdec runs a model on one device; use {flag} 1")
-
-
-def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
-    """--speculative-config's JSON object (None stays None); anything else is a ValueError saying so."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    return value
 
 
 def pull_if_needed(name_or_path: str) -> None:
