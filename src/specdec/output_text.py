@@ -25,6 +25,7 @@ class OutputText:
         self.params = params
         self.eos_ids = frozenset() if params.ignore_eos else frozenset(eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
+        self.ends_on = self.eos_ids | self.stop_ids  # the tokens that end the sequence where they appear
         self.stops = StopStrings(params.stop) if params.stop else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         self.num_tokens = 0  # kept so far
@@ -32,11 +33,6 @@ class OutputText:
         self.finish_reason: str | None = None  # "stop", "length", or "abort" (`abort`)
         self.stop_reason: str | int | None = None  # the EOS / stop token or the stop string that ended it
         self._sent = 0  # characters `new_text` has given
-
-    @property
-    def ends_on(self) -> frozenset[int]:
-        """The tokens that end the sequence where they appear: EOS (unless ignored) and stop_token_ids."""
-        return self.eos_ids | self.stop_ids
 
     def append(self, tokens: list[int]) -> list[int]:
         """Keep `tokens` one by one until one ends the sequence; returns those kept (the one that ended it
