@@ -9,7 +9,9 @@ import torch
 from fakes import FakeTokenizer, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.speculative.controller import AcceptanceEstimate, AdaptiveK, CostModel, FixedK, expected_tokens
+from specdec.speculative.controller import (AcceptanceEstimate, AdaptiveK, ByKind, CostModel, FixedK, KindRates,
+                                           LineFit, SpeculationController, StepReport, expected_tokens)
+from specdec.speculative.proposers import Draft, SuffixProposer
 from specdec.testing.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import DraftModelProposer
 
@@ -296,6 +298,96 @@ def test_a_draft_reads_a_joining_prompt_only_where_the_time_saved_exceeds_the_re
     assert not ctl.prompt_pays([0.1], costs, prompt_tokens=1, output_tokens=1000)  # speculation would not run
     assert not ctl.prompt_pays([0.9], CostModel(), prompt_tokens=1, output_tokens=1000)  # nothing measured yet
     assert ctl.prompt_pays([0.9], costs_with(draft=0.1, verify=1.0), 100, 16)  # reading time unknown: read
+
+
+# ------------------------------------------------------------------------------------------- labelled drafts
+def test_a_line_fitted_to_every_pass():
+    fit = LineFit()
+    assert fit.time(2) is None
+    fit.add(1, 1.0)
+    fit.add(1, 1.0)
+    assert fit.time(2) is None  # one width: no slope yet
+    fit.add(3, 1.2)
+    fit.add(3, 1.2)
+    assert fit.time(2) == pytest.approx(1.1) and fit.time(13) == pytest.approx(2.2)
+    fit.add(5, 0.5)  # a fast wide pass cannot make the line slope down
+    assert fit.time(9) >= fit.time(1)
+    costs = CostModel()
+    costs.record_verify(1, 1.0)
+    assert costs.pass_time(3) == costs.verify_time(3) == 2.0  # one width: the per-width estimate
+    costs.record_verify(3, 1.2)
+    assert costs.pass_time(13) == pytest.approx(2.2)
+
+
+def test_kind_rates_count_the_verified_tokens_of_each_kind_and_each_sequences_lean():
+    rates = KindRates(3, prior=0.5, weight=1.0, forget=0.5)
+    est = AcceptanceEstimate()
+    assert est.lean == 1.0 and rates.rate(0) == 0.5
+    rates.learn([0, 0, 1, 2], accepted=2, estimate=est)  # 0, 0 accepted, 1 rejected, 2 never verified
+    assert rates.tried == [2.0, 1.0, 0.0] and rates.accepted == [2.0, 0.0, 0.0]
+    assert rates.rate(0) == pytest.approx(2.5 / 3) and rates.rate(1) == pytest.approx(0.25) and rates.rate(2) == 0.5
+    assert est.lean == pytest.approx((2 + 2) / (1.5 + 2))  # 2 accepted where the prior expected 1.5: leans up
+    rates.step()
+    assert rates.tried == [1.0, 0.5, 0.0] and rates.rate(1) == pytest.approx(0.5 / 1.5)  # back toward the prior
+    other = AcceptanceEstimate()
+    for _ in range(30):  # kind 0's tokens fail for this sequence and are accepted for another one
+        rates.learn([0], 0, est)
+        rates.learn([0], 1, other)
+    assert 0.4 < rates.rate(0) < 0.6 and est.lean < 0.5 < 1.5 < other.lean
+
+
+def _pass_costs(per_row: float) -> CostModel:
+    costs = CostModel()
+    for rows in (1, 2, 5):
+        costs.record_verify(rows, 1.0 + per_row * (rows - 1))
+    return costs
+
+
+def _learned(rates_by_kind: dict[int, float], kinds: int = 4) -> ByKind:
+    policy = ByKind(24, kinds)
+    for kind, rate in rates_by_kind.items():  # 1000 tokens of the kind, `rate` of them accepted
+        policy.rates.tried[kind], policy.rates.accepted[kind] = 1000.0, 1000.0 * rate
+    return policy
+
+
+def test_by_kind_cuts_each_draft_where_its_tokens_stop_paying_for_their_rows():
+    policy = _learned({0: 0.97, 1: 0.05, 2: 0.3})
+    costs = _pass_costs(0.12)
+    assert policy.width([[0] * 12], [1.0], costs) == 12  # a sure run: all of it (E = 9.7 for 2.3 passes)
+    assert policy.width([[1, 1, 1]], [1.0], costs) == 0  # 5% guesses do not pay 12% a row
+    assert policy.width([[0, 0, 0, 1, 0, 0]], [1.0], costs) == 3  # the run up to the unlikely token
+    assert policy.width([[2]], [1.0], costs) == 1  # 30% for 12%: pays
+    assert policy.width([[2]], [0.3], costs) == 0  # ... not for a sequence whose tokens fare a third as well
+    assert policy.width([[2]], [1.0], _pass_costs(0.5)) == 0  # ... nor where a row costs half a pass
+    assert policy.width([[0] * 6, [1] * 6], [1.0, 1.0], costs) == 6  # one width for the batch: the sure one's
+    assert policy.width([[2, 2], []], [1.0, 1.0], CostModel()) == 2  # nothing measured: all of it, to measure
+    assert policy.width([[], []], [1.0, 1.0], costs) == 0
+
+
+def test_the_controller_cuts_labelled_chains_and_learns_from_their_verdicts():
+    controller = SpeculationController(24, adaptive=True, guess_kinds=4)
+    assert isinstance(controller.policy, ByKind)
+    assert not isinstance(SpeculationController(24, guess_kinds=4).policy, ByKind)  # fixed K: drafts as they are
+    controller.costs = _pass_costs(0.12)
+    controller.policy = _learned({0: 0.97, 1: 0.05})
+    est = controller.new_estimate()
+    assert controller.choose([est], [100], [1000]) == [24]  # it drafts what it can; the cut decides
+    probs = torch.full((5, 7), 1 / 7)
+    drafts = controller.cut([Draft([9, 8, 7, 6, 5], probs, kinds=[0, 0, 1, 1, 0])], [est])
+    assert drafts[0].tokens == [9, 8] and drafts[0].kinds == [0, 0] and drafts[0].probs.shape == (2, 7)
+    tree = Draft([9, 8], parents=[-1, -1])
+    assert controller.cut([tree, Draft([5], kinds=[1])], [est, est])[0] is tree  # trees are not cut
+    tried = controller.policy.rates.tried[1]
+    controller.report(StepReport(1, 24, None, 3, 1.1, [(est, 2, 1)], kinds=[(est, [0, 1], 1)]))
+    assert controller.policy.rates.tried[1] == pytest.approx(tried * 0.995 + 1)
+    assert est.kind_accepted == 1
+
+
+def test_suffix_drafts_are_labelled_by_how_sure_the_trie_is_and_how_much_context_it_matched():
+    assert SuffixProposer.kinds_of([1.0, 0.6], 3) == [3 * 5 + 1, 1 * 5 + 2]  # the docstring's example
+    assert SuffixProposer.kinds_of([0.4, 0.4, 0.1], 1) == [0, 3 * 5 + 1, 0 * 5 + 1]
+    assert SuffixProposer.kinds_of([1.0] * 3, 15) == [3 * 5 + 3, 3 * 5 + 4, 3 * 5 + 4]
+    assert SuffixProposer(None).guess_kinds == 20 and SuffixProposer(None, tree=True).guess_kinds == 0
 
 
 # ------------------------------------------------------------------------------------------- engine, degraded draft

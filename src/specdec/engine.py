@@ -8,6 +8,7 @@ controller's (`SpeculationController`); what a sequence's text is and where it s
 
     ks = controller.choose(...)                 # K for each running sequence
     proposal = proposer.propose(running, ks)    # drafts
+    drafts = controller.cut(proposal.drafts, ...)  # (labelled drafts: cut where their tokens stop paying)
     logits = target([last, *draft] per row)     # one pass for the batch
     per sequence: verification.accept -> KVCache.commit -> OutputText.append -> output
     proposer.observe(...); controller.report(...)
@@ -122,7 +123,7 @@ class Engine:
         widest = self.proposer.max_width(num_speculative_tokens)
         k = num_speculative_tokens if widest > 0 else 0
         self.controller = controller or SpeculationController(k, adaptive, disable_by_batch_size,
-                                                              self.proposer.restart_tokens)
+                                                              self.proposer.restart_tokens, self.proposer.guess_kinds)
         self.cache = target.new_cache(max_batch_size, max_model_len + widest)
         self._draft_kv = self.proposer.cache is not None  # K/V of its own: rows and prefixes kept with the target's
         caches = [self.cache] + ([self.proposer.cache] if self._draft_kv else [])
@@ -224,7 +225,8 @@ class Engine:
                                     [self.max_model_len - len(s.tokens) for s in seqs])
         t0 = self._now()
         proposal = self.proposer.propose(seqs, ks)
-        drafts = [self._verifiable(seq, draft) for seq, draft in zip(seqs, proposal.drafts)]
+        drafts = self.controller.cut([self._verifiable(seq, draft) for seq, draft in zip(seqs, proposal.drafts)],
+                                     [s.estimate for s in seqs])
         t1 = self._now()
         target_logits, hidden = self._verify(seqs, drafts)  # [B, T, V], [B, T, H] or None
         t2 = self._now()
@@ -240,7 +242,9 @@ class Engine:
             batch_size=len(seqs), k=max(ks), forward_seconds=proposal.forward_seconds,
             rows=len(seqs) * (1 + max(len(d.tokens) for d in drafts)), verify_seconds=t2 - t1,
             outcomes=[(seqs[b].estimate, drafts[b].depth, judged[b][0].num_accepted)
-                      for b, out in zip(live, emitted) if out is not None]))
+                      for b, out in zip(live, emitted) if out is not None],
+            kinds=[(seqs[b].estimate, drafts[b].kinds, judged[b][0].num_accepted)
+                   for b, out in zip(live, emitted) if out is not None and drafts[b].kinds]))
         return [out for out in emitted if out is not None]
 
     def _judge(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor
