@@ -207,3 +207,83 @@ def test_fused_rms_norm_matches_the_float_path_and_is_row_invariant(dtype):
     step = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5  # at most one bf16 rounding step apart
     assert torch.allclose(y.float(), ref.float(), rtol=2 * step, atol=1e-6)
     assert torch.equal(torch.cat([norm(x[i:i + 1]) for i in range(9)]), y)
+
+
+# ------------------------------------------------------------------------------------------- attention
+def attention_case(dtype, B=2, T=5, H=12, KV=2, D=64, capacity=256, lengths=(100, 37), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H * D + 8, generator=g).to(dtype)[..., :H * D].view(B, T, H, D)  # strided, as a split
+    keys = torch.randn(B, KV, capacity, D, generator=g).to(dtype)
+    values = torch.randn(B, KV, capacity, D, generator=g).to(dtype)
+    S = 192
+    visible = torch.zeros(B, T, S, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        for t in range(T):
+            visible[b, t, :n + t + 1] = True  # the committed keys and the new ones up to itself
+    return q, keys, values, visible
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_equals_softmax_attention_in_float64(dtype):
+    q, keys, values, visible = attention_case(dtype)
+    out = qgemm.ops().attention(q, keys, values, visible, None)
+    B, T, H, D = q.shape
+    G = H // keys.shape[1]
+    ref = torch.empty(B, T, H, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            seen = visible[b, t].nonzero()[:, 0]
+            for h in range(H):
+                k, v = keys[b, h // G, seen].double(), values[b, h // G, seen].double()
+                ref[b, t, h] = torch.softmax(k @ q[b, t, h].double() / D ** 0.5, -1) @ v
+    tol = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-6  # the output's own rounding
+    assert torch.allclose(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_attention_is_row_invariant_by_query_pass_width_and_threads():
+    q, keys, values, visible = attention_case(torch.bfloat16)
+    out = qgemm.ops().attention(q, keys, values, visible, None)
+    wide = torch.cat([visible, torch.zeros(2, 5, 64, dtype=torch.bool)], -1)  # more (masked) key slots
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = qgemm.ops().attention(q, keys, values, visible, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, out) and torch.equal(qgemm.ops().attention(q, keys, values, wide, None), out)
+    for b in range(2):
+        for t in range(5):  # each query alone, as a one-token decoding step computes it (its row first)
+            alone = qgemm.ops().attention(q[b:b + 1, t:t + 1], keys[b:b + 1], values[b:b + 1],
+                                          visible[b:b + 1, t:t + 1, :101 + t], None)
+            assert torch.equal(alone[0, 0], out[b, t]), (b, t)
+    outs = [qgemm.ops(isa).attention(q, keys, values, visible, None) for isa in ISAS]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), ISAS
+
+
+def test_tree_attention_reads_each_nodes_path_as_the_chain_of_that_path():
+    """A node whose path's keys sit at scattered slots (key_index) gets the bits of the same query over a
+    chain holding those keys in order (what decoding the path token by token computes)."""
+    q, keys, values, _ = attention_case(torch.float32, B=1, T=1, lengths=(50,))
+    path = [3, 7, 8, 20, 51, 60, 55]  # the node's keys in order: committed ones, then its ancestors, itself
+    S = 64
+    key_index = torch.zeros(1, 1, S, dtype=torch.long)
+    key_index[0, 0, :len(path)] = torch.tensor(path)
+    visible = torch.zeros(1, 1, S, dtype=torch.bool)
+    visible[0, 0, :len(path)] = True
+    tree = qgemm.ops().attention(q, keys, values, visible, key_index)
+    chain_k, chain_v = keys.clone(), values.clone()
+    chain_k[:, :, :len(path)], chain_v[:, :, :len(path)] = keys[:, :, path], values[:, :, path]
+    chain = qgemm.ops().attention(q, chain_k, chain_v, visible, None)
+    assert torch.equal(tree, chain)
+
+
+def test_attention_refuses_bad_inputs_clearly():
+    q, keys, values, visible = attention_case(torch.float32)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        qgemm.ops().attention(q.bfloat16(), keys, values, visible, None)
+    with pytest.raises(RuntimeError, match="bool"):
+        qgemm.ops().attention(q, keys, values, visible.int(), None)
+    with pytest.raises(RuntimeError, match="more key slots"):
+        qgemm.ops().attention(q, keys, values, torch.ones(2, 5, 500, dtype=torch.bool), None)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        qgemm.ops().attention(q, keys, values, visible, torch.full(visible.shape, 999, dtype=torch.long))

@@ -147,7 +147,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         # Q, K and V as one matrix (set by `fuse_qkv`): one pass over the activations instead of three
         self.qkv_proj: nn.Module | None = None
-        self.fused_rope = False  # rope as one CPU op (bit-identical to the float path; models on the block kernels)
+        # rope and attention as one CPU op each (models on the block kernels): rope bit-identical to the float
+        # path, attention computed query by query (`qgemm.cpp: attention`)
+        self.fused = False
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
     def fuse_qkv(self, qkv_proj: nn.Module) -> None:
@@ -172,7 +174,8 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        if self.fused_rope and x.device.type == "cpu":
+        fused = self.fused and x.device.type == "cpu"
+        if fused:
             q, k = qgemm.ops().rope(q, cos, sin), qgemm.ops().rope(k, cos, sin)
         else:
             cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -191,7 +194,9 @@ class Attention(nn.Module):
             v_cache[rows, :, write_slots] = v
         keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]  # [B, KV, S, D]
 
-        if x.device.type == "cuda":
+        if fused:  # (the whole cache: each query reads the slots it sees)
+            out = qgemm.ops().attention(q, k_cache, v_cache, mask, key_index)
+        elif x.device.type == "cuda":
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
             ).transpose(1, 2)

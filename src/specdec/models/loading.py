@@ -416,10 +416,8 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         layer.post_attention_layernorm.weight = norm(p + "post_attention_layernorm.weight")
     model.model.norm.weight = norm("model.norm.weight")
     for module in model.modules():  # the elementwise work as one CPU op each, like the matmuls
-        if isinstance(module, RMSNorm):
+        if isinstance(module, (RMSNorm, Attention)):
             module.fused = True
-        elif isinstance(module, Attention):
-            module.fused_rope = True
     head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
     model.lm_head = linear([head])  # before the embedding: a float source hands each matrix over once
     if head == "model.embed_tokens.weight":
