@@ -287,3 +287,39 @@ def test_attention_refuses_bad_inputs_clearly():
         qgemm.ops().attention(q, keys, values, torch.ones(2, 5, 500, dtype=torch.bool), None)
     with pytest.raises(RuntimeError, match="outside the cache"):
         qgemm.ops().attention(q, keys, values, visible, torch.full(visible.shape, 999, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_fused_decoder_layer_computes_the_bits_of_the_unfused_one(tmp_path, dtype):
+    """The whole layer as one op (`decoder_layer`) against the same layer's modules, pass for pass: a prompt,
+    a chain, a tree, two rows of different lengths; logits and every cache entry bit for bit."""
+    from specdec.models.loading import load_quantized
+    from test_tokenizer import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch="qwen2", tied=True)
+    _, model, _ = load_quantized(path, "gguf", dtype)
+    layers = model.model.layers
+    assert all(layer.fused_args is not None for layer in layers)
+    fused_args = [layer.fused_args for layer in layers]
+
+    def run(fused: bool):
+        for layer, args in zip(layers, fused_args):
+            layer.fused_args = args if fused else None
+        cache = model.new_cache(2, 64)
+        outs = [model(torch.tensor([[3, 17, 40, 41, 9, 60], [5, 6, 7, 8, 9, 10]]), torch.arange(6).expand(2, 6), cache)]
+        cache.advance(0, 6)
+        cache.advance(1, 4)  # rows of different lengths: explicit write slots
+        outs.append(model(torch.tensor([[11, 12, 13], [14, 15, 16]]), torch.tensor([[6, 7, 8], [4, 5, 6]]), cache))
+        cache.advance(0, 3)
+        cache.advance(1, 3)
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        outs.append(model(torch.tensor([[20, 21, 22, 23]] * 2), torch.tensor([[9, 10, 10, 11], [7, 8, 8, 9]]), cache,
+                          mask=tree.expand(2, 4, 4)))
+        return outs, cache
+
+    (fused, fc), (plain, pc) = run(True), run(False)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    for a, b in zip(fc.keys + fc.values, pc.keys + pc.values):
+        assert torch.equal(a, b)

@@ -25,6 +25,7 @@ from torch import nn
 from specdec.cache import KEY_BLOCK, KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import qgemm
+from specdec.models.qlinear import QuantLinear
 
 
 QUERY_BLOCK = 8  # queries per attention matmul on CPU (padded): one shape per key count (see `_exact_attention`)
@@ -286,7 +287,27 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, write_slots, mask, key_index=None):
+        # (models on the block kernels, `fuse`) the whole layer as one CPU op: its weights and settings
+        self.fused_args: tuple | None = None
+
+    def fuse(self) -> None:
+        """Run this layer as one CPU op (`qgemm.cpp: decoder_layer`, the same ops in the same order: the
+        same bits) when its norms, rope and attention are fused and its matrices are `QuantLinear`s."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not (attn.fused and self.input_layernorm.fused and all(isinstance(m, QuantLinear) for m in linears)):
+            return
+        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        qkv, o, gate_up, down = linears
+        self.fused_args = (norms, self.input_layernorm.eps, qkv.blocks, qkv.types, qkv.bias, o.blocks, o.types,
+                           gate_up.blocks, gate_up.types, down.blocks, down.types)
+
+    def forward(self, x, cos, sin, cache, write_slots, mask, key_index=None, slots=None):
+        """`slots` [B, T]: the new tokens' cache slots (for the fused layer; `write_slots` or the rows' next ones)."""
+        if self.fused_args is not None and x.device.type == "cpu":
+            idx, attn = self.self_attn.layer_idx, self.self_attn
+            return qgemm.ops().decoder_layer(x, *self.fused_args, cos, sin, cache.keys[idx], cache.values[idx],
+                                             slots, mask, key_index, attn.num_heads, attn.num_kv_heads)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask, key_index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -372,8 +393,11 @@ class Transformer(nn.Module):
             cache, positions, mask, self.inv_freq, self.dtype
         )
         h = self.model.embed_tokens(tokens)
+        slots = write_slots
+        if slots is None:  # rows of equal length: the next T slots of each
+            slots = cache.lengths[0] + torch.arange(T, device=tokens.device).expand(B, T)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, write_slots, full_mask, key_index)
+            h = layer(h, cos, sin, cache, write_slots, full_mask, key_index, slots)
         h = self.model.norm(h)
         logits = self.lm_head(h if num_logits is None else h[:, -num_logits:]).float()
         return (logits, h) if return_hidden else logits

@@ -418,6 +418,8 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
     for module in model.modules():  # the elementwise work as one CPU op each, like the matmuls
         if isinstance(module, (RMSNorm, Attention)):
             module.fused = True
+    for layer in model.model.layers:  # and each layer as one op
+        layer.fuse()
     head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
     model.lm_head = linear([head])  # before the embedding: a float source hands each matrix over once
     if head == "model.embed_tokens.weight":
