@@ -785,10 +785,10 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   // follow (tiles of 16 channels ran a one-token step 14% slower); inside a tile, groups of up to kMaxRows
   // rows share each weight block while it is in registers / L1.
   const int64_t workers = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t kTile = std::max<int64_t>(64, (N / (4 * workers) + 15) / 16 * 16);
+  const int64_t tile = std::max<int64_t>(64, (N / (4 * workers) + 15) / 16 * 16);
   std::vector<int64_t> tile_seg, tile_n0;
   for (size_t s = 0; s < ws.size(); ++s)
-    for (int64_t n = starts[s]; n < starts[s + 1]; n += kTile) {
+    for (int64_t n = starts[s]; n < starts[s + 1]; n += tile) {
       tile_seg.push_back(static_cast<int64_t>(s));
       tile_n0.push_back(n);
     }
@@ -807,7 +807,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
       const Acts& a = is_k_quant(type) ? a256 : a32;
       const int64_t bs = is_k_quant(type) ? 256 : 32, nb = K / bs, row_bytes = ws[s].size(1);
       const uint8_t* wbase = ws[s].data_ptr<uint8_t>();
-      const int64_t n0 = tile_n0[t], n1 = std::min(n0 + kTile, starts[s + 1]);
+      const int64_t n0 = tile_n0[t], n1 = std::min(n0 + tile, starts[s + 1]);
       for (int64_t g = 0; g < ngroups; ++g) {
         const int64_t m0 = g * kMaxRows;
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));

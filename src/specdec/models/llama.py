@@ -193,18 +193,18 @@ class Attention(nn.Module):
             rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
             k_cache[rows, :, write_slots] = k
             v_cache[rows, :, write_slots] = v
-        keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]  # [B, KV, S, D]
-
         if fused:  # (the whole cache: each query reads the slots it sees)
             out = qgemm.ops().attention(q, k_cache, v_cache, mask, key_index)
-        elif x.device.type == "cuda":
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
-            ).transpose(1, 2)
-        elif key_index is not None:
-            out = self._exact_tree_attention(q, keys, values, mask, key_index)
         else:
-            out = self._exact_attention(q, keys, values, mask)
+            keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]  # [B, KV, S, D]
+            if x.device.type == "cuda":
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
+                ).transpose(1, 2)
+            elif key_index is not None:
+                out = self._exact_tree_attention(q, keys, values, mask, key_index)
+            else:
+                out = self._exact_attention(q, keys, values, mask)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
     def _exact_attention(self, q, keys, values, mask):
@@ -393,8 +393,8 @@ class Transformer(nn.Module):
             cache, positions, mask, self.inv_freq, self.dtype
         )
         h = self.model.embed_tokens(tokens)
-        slots = write_slots
-        if slots is None:  # rows of equal length: the next T slots of each
+        slots = write_slots  # (what the fused layers need; rows of equal length: the next T slots of each)
+        if slots is None and any(layer.fused_args is not None for layer in self.model.layers):
             slots = cache.lengths[0] + torch.arange(T, device=tokens.device).expand(B, T)
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, write_slots, full_mask, key_index, slots)
