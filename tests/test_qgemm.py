@@ -3,7 +3,7 @@
 Values: the kernel's output equals, to fp32 rounding, the float64 product of the dequantized weights with
 the activations as the kernel quantized them (so every block's integer arithmetic and scales are right).
 Bits: row m's output does not depend on the number of rows, the other rows, the row's position, the
-thread count, or the build (AVX-512, AVX2, portable).
+thread count, or the build (AMX tiles, AVX-512, AVX2, portable).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from specdec.models.qlinear import QuantLinear
 
 TYPES = sorted(qgemm.SUPPORTED_TYPES)  # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
 FP16_FIELDS = {2: [0], 6: [0], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}  # byte offsets of fp16 scales
-ISAS = [isa for isa in ("avx512vnni", "avx2", "generic") if qgemm._ISA_CPU_FLAGS[isa] <= qgemm.cpu_flags()]
+ISAS = [isa for isa in ("avx512amx", "avx512vnni", "avx2", "generic") if qgemm._ISA_CPU_FLAGS[isa] <= qgemm.cpu_flags()
+        and (isa != "avx512amx" or qgemm._tiles_usable())]
 
 
 def random_blocks(qtype: int, rows: int, row_len: int, seed: int = 0) -> torch.Tensor:
@@ -86,10 +87,11 @@ def test_rows_are_invariant_to_batch_position_and_threads(qtype):
 def test_every_build_gives_the_same_bits(qtype):
     K, N = 768 if qtype in (12, 13, 14) else 800, 24  # 25 blocks of 32: groups of 8, a pair and an odd one
     w = random_blocks(qtype, N, K, seed=2)
-    x = torch.randn(11, K)
-    outs = [qgemm.qmm(x, [w], [qtype], isa=isa) for isa in ISAS]
-    assert len(outs) >= 2  # at least the portable build and one vector build
-    assert all(torch.equal(outs[0], o) for o in outs[1:]), ISAS
+    for M in (11, 40):  # 40: 16-row groups of k-quants on the AMX tiles, where the CPU has them
+        x = torch.randn(M, K)
+        outs = [qgemm.qmm(x, [w], [qtype], isa=isa) for isa in ISAS]
+        assert len(outs) >= 2  # at least the portable build and one vector build
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), (M, ISAS)
 
 
 def test_segments_and_bias_equal_separate_products():

@@ -35,6 +35,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(SPECDEC_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #ifndef SPECDEC_QLIB
 #define SPECDEC_QLIB specdec_qgemm
@@ -741,6 +745,298 @@ int64_t block_bytes(int64_t t) {
   return 0;
 }
 
+#if defined(SPECDEC_AMX)
+// ---- AMX tiles (Sapphire Rapids and later) for the k-quants, many rows at once ------------------------
+// The tile unit multiplies 16 x 64 bytes by 64 x 16 bytes into 16 x 16 int32 in one instruction. Here it
+// computes the very integer lanes the vector kernels compute (so the same bits, whatever the path):
+// lane l of a (row, channel, block) is the sum, over the 32 positions p of the block with p mod 32 in
+// [4l, 4l + 4), of scale(p) x weight(p) x activation(p) (Q6_K: weight 0-63, its -32 offset added at the
+// end as in the vector kernels). A tile row is one channel's 32 scaled weights of one lane, as two bytes
+// (scaled weight = low byte + 256 x high byte), the tile column a row of activations; the 8 lanes are 8
+// tile products, then the fp32 steps of the vector kernels, vectorized over 16 rows.
+constexpr int kAmxMinRows = 16;  // measured: 1.1x the vector kernels at 16 rows, 1.3-1.5x at 32, 1.5-1.8x at 128; 0.6x at 8
+
+bool amx_ok() {
+  // the kernel lets a process use the tile registers once it asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0 / tmm1 (and tmm5 / tmm6, the next lane's): lane sums from the low / high bytes, 16 channels x 16
+// rows of int32; tmm2 / tmm3: low / high bytes, 16 channels x 32; tmm4: activations, 8 x (16 rows x 4 bytes)
+void amx_configure() {
+  TileConfig c;
+  for (int t : {0, 1, 5, 6}) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 32;
+  c.rows[4] = 8;
+  c.colsb[4] = 64;
+  _tile_loadconfig(&c);
+}
+
+// Where a lane's 32 tile bytes come from: tile byte r (r < 32) of lane l holds block position
+// pos(l, r), t = r mod 4, m = (r mod 16) / 4, half = r / 16 (the order the weight unpacking below gives):
+//   Q4_K / Q5_K: 64 m + 32 half + 4 l + t
+//   Q6_K:        128 (m / 2) + 64 half + 32 (m mod 2) + 4 l + t
+inline int amx_pos(bool q6, int l, int r) {
+  const int t = r % 4, m = (r % 16) / 4, half = r / 16;
+  return q6 ? 128 * (m / 2) + 64 * half + 32 * (m % 2) + 4 * l + t : 64 * m + 32 * half + 4 * l + t;
+}
+
+// Activations laid out for the tiles, per group of 16 rows (missing rows are zeros) and block.
+struct AmxActs {
+  int64_t nb = 0;
+  std::vector<int8_t> b45, b6;  // [g][i][l][8][16 rows][4]: 512 bytes a (g, i, l)
+  std::vector<float> d;         // [g][i][16]: block scales
+  std::vector<int32_t> s32;     // [g][i][l][16]: sub-block l's sum (Q4_K / Q5_K mins)
+  std::vector<int32_t> s16;     // [g][i][l][16]: i16 pair (sum of group 2l, of group 2l + 1) (Q6_K offset)
+};
+
+void amx_acts(const Acts& a, int64_t M, bool q45, bool q6, AmxActs& t) {
+  const int64_t nb = a.K / 256, G = (M + 15) / 16;
+  t.nb = nb;
+  if (q45) t.b45.assign(G * nb * 4096, 0);
+  if (q6) t.b6.assign(G * nb * 4096, 0);
+  t.d.assign(G * nb * 16, 0.f);
+  t.s32.assign(G * nb * 128, 0);
+  t.s16.assign(G * nb * 128, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t g = m / 16, n = m % 16;
+    const int8_t* q = a.qrow(m);
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t gi = g * nb + i;
+      t.d[gi * 16 + n] = a.drow(m)[i];
+      for (int l = 0; l < 8; ++l) {
+        const int64_t at = (gi * 8 + l) * 512 + n * 4;
+        for (int k4 = 0; k4 < 8; ++k4) {
+          if (q45) std::memcpy(&t.b45[at + k4 * 64], q + i * 256 + amx_pos(false, l, 4 * k4), 4);
+          if (q6) std::memcpy(&t.b6[at + k4 * 64], q + i * 256 + amx_pos(true, l, 4 * k4), 4);
+        }
+        t.s32[(gi * 8 + l) * 16 + n] = a.s32row(m)[i * 8 + l];
+        const int16_t* s = a.srow(m) + i * 16 + 2 * l;
+        t.s16[(gi * 8 + l) * 16 + n] =
+            static_cast<int32_t>(static_cast<uint16_t>(s[0]) | (static_cast<uint32_t>(static_cast<uint16_t>(s[1])) << 16));
+      }
+    }
+  }
+}
+
+// Index vectors of the unpacking (built once).
+struct AmxIdx {
+  __m512i q45[2], q6[2], q6h[2], q5h[2];  // dword gathers: lanes 0-3 / 4-7
+  __m512i lo, hi;                 // low / high bytes of 2 x 32 words -> two lanes' 32-byte rows
+  __m512i s45l, s45h;             // scale of each word (Q4_K / Q5_K): from 8 scales
+  __m512i s6l[2], s6h[2];         // (Q6_K): from 16 scales, lanes 0-3 / 4-7
+  AmxIdx() {
+    alignas(64) int32_t a[2][16], b[2][16], c[2][16], e[2][16];
+    for (int p = 0; p < 2; ++p)
+      for (int lp = 0; lp < 4; ++lp)
+        for (int m = 0; m < 4; ++m) {
+          const int l = 4 * p + lp;
+          a[p][4 * lp + m] = 8 * m + l;                        // qs dword of lane l, chunk m
+          b[p][4 * lp + m] = 16 * (m / 2) + 8 * (m % 2) + l;   // ql dword of lane l, (h, a) = m
+          c[p][4 * lp + m] = 8 * (m / 2) + l;                  // Q6_K qh dword
+          e[p][4 * lp + m] = l;                                // Q5_K qh dword
+        }
+    for (int p = 0; p < 2; ++p) {
+      q45[p] = _mm512_load_si512(a[p]);
+      q6[p] = _mm512_load_si512(b[p]);
+      q6h[p] = _mm512_load_si512(c[p]);
+      q5h[p] = _mm512_load_si512(e[p]);
+    }
+    alignas(64) int8_t lb[64], hb[64];
+    for (int r = 0; r < 64; ++r) {  // row of lane 2k + r / 32: words (r mod 32) of L then H
+      const int lane = r / 32, w = lane * 16 + (r % 16), src = (r % 32) < 16 ? 0 : 64;
+      lb[r] = static_cast<int8_t>(src + 2 * w);
+      hb[r] = static_cast<int8_t>(src + 2 * w + 1);
+    }
+    lo = _mm512_load_si512(lb);
+    hi = _mm512_load_si512(hb);
+    alignas(64) int16_t sl[32], sh[32], s6[2][2][32];
+    for (int w = 0; w < 32; ++w) {
+      const int m = (w % 16) / 4;
+      sl[w] = static_cast<int16_t>(2 * m);
+      sh[w] = static_cast<int16_t>(2 * m + 1);
+      for (int p = 0; p < 2; ++p) {  // group = 2 kk + (lane >= 4), kk = 4 (m / 2) + 2 half + m mod 2
+        s6[p][0][w] = static_cast<int16_t>(2 * (4 * (m / 2) + m % 2) + p);
+        s6[p][1][w] = static_cast<int16_t>(2 * (4 * (m / 2) + 2 + m % 2) + p);
+      }
+    }
+    s45l = _mm512_load_si512(sl);
+    s45h = _mm512_load_si512(sh);
+    for (int p = 0; p < 2; ++p) {
+      s6l[p] = _mm512_load_si512(s6[p][0]);
+      s6h[p] = _mm512_load_si512(s6[p][1]);
+    }
+  }
+};
+
+// Lanes 4p-4p+3 of one block's weights, unpacked as (L, H) nibble vectors (lane per 128 bits, dword m,
+// byte t), scaled (words) and split into the low and high bytes of the lane rows at alo / ahi.
+inline void amx_scale_store(__m512i L, __m512i H, __m512i sl, __m512i sh, const AmxIdx& x, uint8_t* alo, uint8_t* ahi) {
+  for (int k = 0; k < 2; ++k) {  // lanes (2k, 2k + 1) of the four
+    const __m512i wl = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(k ? _mm512_extracti64x4_epi64(L, 1) : _mm512_castsi512_si256(L)), sl);
+    const __m512i wh = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(k ? _mm512_extracti64x4_epi64(H, 1) : _mm512_castsi512_si256(H)), sh);
+    _mm512_storeu_si512(alo + 64 * k, _mm512_permutex2var_epi8(wl, x.lo, wh));
+    _mm512_storeu_si512(ahi + 64 * k, _mm512_permutex2var_epi8(wl, x.hi, wh));
+  }
+}
+
+// One channel's block -> its 8 lane rows (alo / ahi: 256 bytes each), and its scales.
+template <bool Q5>
+inline void amx_weights_k45(const uint8_t* b, const AmxIdx& x, uint8_t* alo, uint8_t* ahi, float* d, float* dmin, uint64_t* mn) {
+  *d = fp16(b);
+  *dmin = fp16(b + 2);
+  uint64_t sc;
+  k_scales_mins(b + 4, &sc, mn);
+  const __m512i scw = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(static_cast<long long>(sc))));
+  const __m512i sl = _mm512_permutexvar_epi16(x.s45l, scw), sh = _mm512_permutexvar_epi16(x.s45h, scw);
+  const uint8_t* qs = b + (Q5 ? 48 : 16);
+  const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+  const __m512i m0f = _mm512_set1_epi8(0x0F);
+  for (int p = 0; p < 2; ++p) {
+    const __m512i P = _mm512_permutex2var_epi32(z0, x.q45[p], z1);
+    __m512i L = _mm512_and_si512(P, m0f), H = _mm512_and_si512(_mm512_srli_epi16(P, 4), m0f);
+    if (Q5) {  // bit 2m (L) / 2m + 1 (H) of qh byte 4 l + t
+      const __m512i qhp = _mm512_permutexvar_epi32(x.q5h[p], _mm512_castsi256_si512(load(b + 16)));  // qh dword l at (l, m)
+      const __m512i cnt = _mm512_set_epi16(6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0);
+      const __m512i one = _mm512_set1_epi8(1);
+      L = _mm512_or_si512(L, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qhp, cnt), one), 4));
+      H = _mm512_or_si512(H, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qhp, _mm512_add_epi16(cnt, _mm512_set1_epi16(1))), one), 4));
+    }
+    amx_scale_store(L, H, sl, sh, x, alo + 128 * p, ahi + 128 * p);
+  }
+}
+
+inline void amx_weights_q6k(const uint8_t* b, const AmxIdx& x, uint8_t* alo, uint8_t* ahi, float* d) {
+  *d = fp16(b + 208);
+  const __m512i scw = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+  const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64), qh = _mm512_loadu_si512(b + 128);
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+  // shift of the 2 high bits: L (s = m mod 2) 2 s, H (s = 2 + m mod 2) 2 s; per word of dword m
+  const __m512i cl = _mm512_set_epi16(2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0);
+  const __m512i ch = _mm512_add_epi16(cl, _mm512_set1_epi16(4));
+  for (int p = 0; p < 2; ++p) {
+    const __m512i P = _mm512_permutex2var_epi32(z0, x.q6[p], z1);
+    const __m512i Q = _mm512_permutexvar_epi32(x.q6h[p], qh);
+    const __m512i L = _mm512_or_si512(_mm512_and_si512(P, m0f), _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(Q, cl), m3), 4));
+    const __m512i H = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(P, 4), m0f),
+                                      _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(Q, ch), m3), 4));
+    amx_scale_store(L, H, _mm512_permutexvar_epi16(x.s6l[p], scw), _mm512_permutexvar_epi16(x.s6h[p], scw), x,
+                    alo + 128 * p, ahi + 128 * p);
+  }
+}
+
+// The fp32 steps of lane l for 16 channels x 16 rows, from its tile sums (lo, hi: [16 channels][16 rows]).
+template <bool Q6>
+inline void amx_lane_steps(const int32_t* lo, const int32_t* hi, const __m512i s, const uint8_t* const* sc6,
+                           const uint64_t* mn, int l, const __m512* sd, const __m512* sm, __m512* f) {
+  for (int c = 0; c < 16; ++c) {
+    const __m512i v = _mm512_add_epi32(_mm512_load_si512(lo + 16 * c), _mm512_slli_epi32(_mm512_load_si512(hi + 16 * c), 8));
+    if (Q6) {
+      const int8_t* sc = reinterpret_cast<const int8_t*>(sc6[c]);
+      const __m512i pair = _mm512_set1_epi32(static_cast<int32_t>(
+          static_cast<uint16_t>(sc[2 * l]) | (static_cast<uint32_t>(static_cast<uint16_t>(sc[2 * l + 1])) << 16)));
+      const __m512i corr = _mm512_madd_epi16(s, pair);  // the -32 offset, as the vector kernels add it
+      f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_slli_epi32(corr, 5))), sd[c], f[c]);
+    } else {
+      const __m512i ms = _mm512_madd_epi16(s, _mm512_set1_epi32(static_cast<int32_t>(byte_of(mn[c], l))));
+      f[c] = _mm512_add_ps(f[c], _mm512_fmsub_ps(_mm512_cvtepi32_ps(v), sd[c], _mm512_mul_ps(_mm512_cvtepi32_ps(ms), sm[c])));
+    }
+  }
+}
+
+// Channels [0, nch) (a multiple of 16) of weight rows w, all M rows: out(m, c, value) for each. Per 16
+// channels: every block unpacked first (each weight row read front to back), then block by block, row
+// group by row group, the 8 lane products (two sets of sum tiles, so that one lane's fp32 steps overlap
+// the next lane's product).
+template <int64_t T, typename Out>
+void amx_channels(const uint8_t* w, int64_t row_bytes, int64_t nch, const AmxActs& aa, int64_t M, Out&& out) {
+  static const AmxIdx x;
+  constexpr bool q6 = T == kQ6_K;
+  const int64_t nb = aa.nb, G = (M + 15) / 16;
+  const int8_t* bacts = q6 ? aa.b6.data() : aa.b45.data();
+  std::vector<__m512i> abuf(nb * 2 * 16 * 256 / 64);  // [i][lo, hi][16 channels][256 bytes]
+  std::vector<float> d(nb * 16), dmin(nb * 16);
+  std::vector<uint64_t> mn(nb * 16);
+  alignas(64) int32_t cbuf[2][2][256];  // [lane parity][lo, hi][16 channels x 16 rows]
+  std::vector<__m512> F(G * 8 * 16);
+  for (int64_t c0 = 0; c0 < nch; c0 += 16) {
+    uint8_t* A = reinterpret_cast<uint8_t*>(abuf.data());
+    for (int c = 0; c < 16; ++c)
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* b = w + (c0 + c) * row_bytes + i * block_bytes(T);
+        prefetch_ahead(b, block_bytes(T));
+        uint8_t* lo = A + (i * 2 * 16 + c) * 256;
+        if (q6) amx_weights_q6k(b, x, lo, lo + 16 * 256, &d[i * 16 + c]);
+        else amx_weights_k45<T == kQ5_K>(b, x, lo, lo + 16 * 256, &d[i * 16 + c], &dmin[i * 16 + c], &mn[i * 16 + c]);
+      }
+    std::fill(F.begin(), F.end(), _mm512_setzero_ps());
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* alo = A + i * 2 * 16 * 256;
+      const uint8_t* ahi = alo + 16 * 256;
+      const uint8_t* sc6[16];
+      for (int c = 0; c < 16; ++c) sc6[c] = w + (c0 + c) * row_bytes + i * 210 + 192;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t gi = g * nb + i;
+        const __m512 dx = _mm512_loadu_ps(&aa.d[gi * 16]);
+        __m512 sd[16], sm[16];
+        for (int c = 0; c < 16; ++c) {
+          sd[c] = _mm512_mul_ps(dx, _mm512_set1_ps(d[i * 16 + c]));
+          sm[c] = q6 ? sd[c] : _mm512_mul_ps(dx, _mm512_set1_ps(dmin[i * 16 + c]));
+        }
+        const int32_t* sums = q6 ? aa.s16.data() : aa.s32.data();
+        for (int l = 0; l <= 8; ++l) {
+          if (l < 8) {
+            const int8_t* bl = bacts + (gi * 8 + l) * 512;
+            _tile_loadd(2, alo + 32 * l, 256);
+            _tile_loadd(3, ahi + 32 * l, 256);
+            _tile_loadd(4, bl, 64);
+            if (l % 2 == 0) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_dpbusd(0, 2, 4);
+              if (q6) _tile_dpbssd(1, 3, 4);
+              else _tile_dpbusd(1, 3, 4);
+              _tile_stored(0, cbuf[0][0], 64);
+              _tile_stored(1, cbuf[0][1], 64);
+            } else {
+              _tile_zero(5);
+              _tile_zero(6);
+              _tile_dpbusd(5, 2, 4);
+              if (q6) _tile_dpbssd(6, 3, 4);
+              else _tile_dpbusd(6, 3, 4);
+              _tile_stored(5, cbuf[1][0], 64);
+              _tile_stored(6, cbuf[1][1], 64);
+            }
+          }
+          if (l > 0) {  // the previous lane's fp32 steps
+            const int k = l - 1;
+            const __m512i sv = _mm512_loadu_si512(&sums[(gi * 8 + k) * 16]);
+            amx_lane_steps<q6>(cbuf[k % 2][0], cbuf[k % 2][1], sv, sc6, &mn[i * 16], k, sd, sm, &F[(g * 8 + k) * 16]);
+          }
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < 16; ++c) {
+        const __m512* f = &F[g * 8 * 16 + c];  // lane l at f[16 l]; summed as the vector kernels' hsum
+        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[64]), _mm512_add_ps(f[32], f[96])),
+                                       _mm512_add_ps(_mm512_add_ps(f[16], f[80]), _mm512_add_ps(f[48], f[112])));
+        alignas(64) float v[16];
+        _mm512_store_ps(v, s);
+        for (int64_t r = 0; r < 16 && g * 16 + r < M; ++r) out(g * 16 + r, c0 + c, v[r]);
+      }
+  }
+}
+#endif
+
 template <typename OutT>
 void store_out(OutT* y, float v) { *y = static_cast<OutT>(v); }
 
@@ -779,6 +1075,16 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   Acts a32, a256;
   if (need32) quantize_rows(x, 32, a32);
   if (need256) quantize_rows(x, 256, a256);
+#if defined(SPECDEC_AMX)
+  // many rows on k-quants: the tile unit (the same bits as the vector kernels)
+  const bool amx = need256 && M >= kAmxMinRows && amx_ok();
+  AmxActs aa;
+  if (amx) {
+    bool q45 = false, q6 = false;
+    for (int64_t t : types) (t == kQ6_K ? q6 : q45) |= is_k_quant(t);
+    amx_acts(a256, M, q45, q6, aa);
+  }
+#endif
 
   // Tiles of channels, claimed dynamically (a descheduled thread does not hold up the call), about four a
   // thread: each thread then streams long runs of contiguous weight rows, which the hardware prefetchers
@@ -801,13 +1107,33 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     float res[2 * kMaxRows];
+#if defined(SPECDEC_AMX)
+    if (amx) amx_configure();
+#endif
     for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < ntiles;
          t = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t s = tile_seg[t], type = types[s];
       const Acts& a = is_k_quant(type) ? a256 : a32;
       const int64_t bs = is_k_quant(type) ? 256 : 32, nb = K / bs, row_bytes = ws[s].size(1);
       const uint8_t* wbase = ws[s].data_ptr<uint8_t>();
-      const int64_t n0 = tile_n0[t], n1 = std::min(n0 + tile, starts[s + 1]);
+      int64_t n0 = tile_n0[t];
+      const int64_t n1 = std::min(n0 + tile, starts[s + 1]);
+#if defined(SPECDEC_AMX)
+      if (amx && is_k_quant(type) && n1 - n0 >= 16) {  // whole groups of 16 channels; the rest below
+        const int64_t nch = (n1 - n0) / 16 * 16;
+        auto put = [&](int64_t m, int64_t c, float v) {
+          const int64_t n = n0 + c;
+          const float o = bp ? v + bp[n] : v;
+          if (out_bf16) yb[m * N + n] = static_cast<at::BFloat16>(o);
+          else yf[m * N + n] = o;
+        };
+        const uint8_t* w0 = wbase + (n0 - starts[s]) * row_bytes;
+        if (type == kQ4_K) amx_channels<kQ4_K>(w0, row_bytes, nch, aa, M, put);
+        else if (type == kQ5_K) amx_channels<kQ5_K>(w0, row_bytes, nch, aa, M, put);
+        else amx_channels<kQ6_K>(w0, row_bytes, nch, aa, M, put);
+        n0 += nch;
+      }
+#endif
       for (int64_t g = 0; g < ngroups; ++g) {
         const int64_t m0 = g * kMaxRows;
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
@@ -836,6 +1162,9 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
         }
       }
     }
+#if defined(SPECDEC_AMX)
+    if (amx) _tile_release();
+#endif
   });
   return y;
 }
@@ -1132,7 +1461,17 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
 
 }  // namespace
 
+// Whether this build multiplies many rows on the tile unit here (the AMX build, once the OS allows it).
+bool uses_tiles() {
+#if defined(SPECDEC_AMX)
+  return amx_ok();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(SPECDEC_QLIB, m) {
+  m.def("uses_tiles() -> bool", &uses_tiles);
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);

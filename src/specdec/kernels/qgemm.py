@@ -2,11 +2,13 @@
 
 One build per instruction set, picked from the CPU's flags at run time:
 
+- `avx512amx`: the `avx512vnni` kernels, and passes of 6 rows or more on k-quant weights multiplied on the
+  AMX tile unit (Sapphire Rapids and later; used when the compiler knows AMX and the OS allows it);
 - `avx512vnni`: AVX-512 BW/VNNI on 512-bit vectors, 8 rows per weight pass;
 - `avx2`: AVX2 + FMA (the baseline of x86 CPUs since 2013), 4 rows per weight pass;
 - `generic`: portable C++ that computes the same integer lanes in scalar code (correct, slower).
 
-All three give the same bits (the integer lanes are exact and the fp32 steps are the same), and in each
+All of them give the same bits (the integer lanes are exact and the fp32 steps are the same), and in each
 the bits of an output row do not depend on the other rows, their number, or the thread count.
 `SPECDEC_QGEMM_ISA` forces a build (tests use it to compare them).
 
@@ -26,12 +28,16 @@ import torch
 from specdec.kernels.build import build_ops
 
 _SOURCE = Path(__file__).with_name("qgemm.cpp")
+_VNNI = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 _ISA_FLAGS = {
-    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
+    "avx512amx": _VNNI + ["-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-DSPECDEC_AMX"],
+    "avx512vnni": _VNNI,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
 _ISA_CPU_FLAGS = {
+    "avx512amx": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi",
+                  "amx_tile", "amx_int8"},
     "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
     "avx2": {"avx2", "fma", "f16c"},
     "generic": set(),
@@ -65,8 +71,28 @@ def best_isa() -> str:
         if forced not in _ISA_FLAGS:
             raise ValueError(f"SPECDEC_QGEMM_ISA={forced!r}; choose {', '.join(_ISA_FLAGS)}")
         return forced
+    return _default_isa()
+
+
+@functools.lru_cache(maxsize=None)
+def _default_isa() -> str:
     flags = cpu_flags()
-    return next(isa for isa in _ISA_FLAGS if _ISA_CPU_FLAGS[isa] <= flags)
+    for isa in _ISA_FLAGS:
+        if not _ISA_CPU_FLAGS[isa] <= flags:
+            continue
+        if isa == "avx512amx" and not _tiles_usable():
+            continue
+        return isa
+    raise AssertionError("the generic build runs anywhere")
+
+
+def _tiles_usable() -> bool:
+    """Whether the AMX build compiles here (a compiler that knows the tile instructions) and the OS lets
+    this process use the tile registers."""
+    try:
+        return bool(ops("avx512amx").uses_tiles())
+    except Exception:
+        return False
 
 
 def ops(isa: str | None = None):
