@@ -102,8 +102,9 @@ def main() -> None:
     prompt_ids = [p.token_ids(llm.tokenizer) for p in prompts]
     draft_quantization = resolve_quantization("auto", llm.device)
     bad_draft = PermutedLogitsModel(load_model(DRAFT, llm.dtype, llm.device, draft_quantization)[0])
-    wanted = {c.strip() for c in args.configs.split(",") if c.strip()}
-    names = [n for n in method_names([int(k) for k in args.ks.split(",")]) if not wanted or n in wanted | {"plain"}]
+    wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
+    names = [n for n in method_names([int(k) for k in args.ks.split(",")]) if not wanted or n in {*wanted, "plain"}]
+    names += [n for n in wanted if n not in names]  # any other `specdec bench --methods` name
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), {args.max_tokens} tokens "
           f"each; target {TARGET} ({llm.quantization}, {llm.dtype}), draft {DRAFT} ({draft_quantization})")
     results = []

@@ -20,7 +20,7 @@ from specdec.engine import Engine
 from specdec.server.async_engine import AsyncEngine, RequestFailedError
 from specdec.speculative.controller import CostModel
 from specdec.testing.degraded import PermutedLogitsModel
-from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer
+from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer, draft_vocabulary
 from specdec.stop_strings import StopStrings
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
@@ -282,6 +282,22 @@ def test_stop_string_checks_do_not_scale_with_their_number():
 
 # ------------------------------------------------------------------------------------------- greedy equivalence
 PROPOSERS = ("other seed", "noisy copy", "self", "ngram")
+
+
+@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_a_draft_with_a_vocabulary_keeps_greedy_output_exact(dtype_name, k):
+    """A draft that proposes only 40 of the 97 tokens (`draft_vocab_size`): drafts are accepted where the
+    target's token is among them, and the output is plain decoding's."""
+    accepted = 0
+    for prompt in PROMPTS:
+        vocab = draft_vocabulary(40, 97, [])
+        engine = Engine(target(dtype_name), FakeTokenizer(), DraftModelProposer(draft(dtype_name, "noisy copy"), 1, MAX_LEN,
+                        vocab=vocab), k, max_model_len=MAX_LEN)
+        out = generate(engine, prompt, GREEDY)
+        assert tuple(out.token_ids) == plain(dtype_name, prompt), f"prompt {prompt}"
+        accepted += out.metrics.num_accepted_tokens
+    assert accepted > 0
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])

@@ -13,7 +13,7 @@ from specdec.config import ModelConfig, SamplingParams
 from specdec.sampling import make_generator
 from specdec.speculative.acceptance import Verdict
 from specdec.speculative.compat import IncompatibleDraftError, check_draft_compatible
-from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer
+from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer, draft_vocabulary
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
@@ -276,6 +276,36 @@ def test_draft_model_sampling_returns_processed_probs(draft_model):
     assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
     assert drafts[1].tokens == draft.tokens and torch.equal(drafts[1].probs, draft.probs)  # seeded
     assert proposer.memory_bytes > proposer.cache.nbytes > 0
+
+
+def test_draft_vocabulary_is_the_first_ids_and_the_special_ones():
+    assert draft_vocabulary(None, 97, [90]) is None and draft_vocabulary(97, 97, [90]) is None
+    assert draft_vocabulary(4, 97, [90, 2, 200]).tolist() == [0, 1, 2, 3, 90]  # 200: not a token of 97
+
+
+def test_a_draft_vocabulary_drafts_the_best_of_its_tokens_and_samples_only_them(draft_model):
+    """Greedy: each drafted token is the draft's argmax over the vocabulary's tokens (its logits there are the
+    bits of the whole lm_head's); sampling: the reported distribution is zero outside them and sums to 1."""
+    vocab = draft_vocabulary(40, 97, [90])
+    proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, vocab=vocab)
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[vocab] = False
+
+    def restricted(*args, **kw):  # the draft with every other token's logit at -inf
+        return draft_model(*args, **kw).masked_fill(outside, float("-inf"))
+
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    draft = proposer.propose([Seq(list(prompt))], [6]).drafts[0]
+    assert draft.tokens == continuation_at(draft_model, prompt, 0, 6, forward=restricted)
+    assert draft.tokens != continuation_at(draft_model, prompt, 0, 6)  # the restriction mattered here
+    assert proposer.memory_bytes > DraftModelProposer(draft_model, 1, 64).memory_bytes  # the rows' copy counts
+
+    params = SamplingParams(temperature=0.8, seed=3)
+    proposer.cache.clear(0)
+    sampled = proposer.propose([Seq([1, 2, 3], params=params, generator=make_generator(3))], [4]).drafts[0]
+    assert sampled.probs.shape == (4, 97) and torch.allclose(sampled.probs.sum(-1), torch.ones(4))
+    assert bool((sampled.probs[:, outside] == 0).all()) and bool((sampled.probs[:, vocab] > 0).all())
+    assert all(t in vocab.tolist() for t in sampled.tokens)
 
 
 # ------------------------------------------------------------------------------------------- compatibility

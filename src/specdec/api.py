@@ -165,7 +165,7 @@ class LLM:
                 self.memory_plan, suffix_cached_requests=self.spec.suffix_decoding_max_cached_requests)
         proposer = build_proposer(self.spec, vocab_size=self.target.config.vocab_size,
                                   max_num_seqs=self.memory_plan.max_num_seqs, max_model_len=self.max_model_len,
-                                  draft_model=self.draft_model, heads=self.heads)
+                                  draft_model=self.draft_model, heads=self.heads, special_ids=self.tokenizer.special_ids)
         self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
                                    self.memory_plan.prefix_cache_blocks)
         self._ids = itertools.count()
@@ -181,7 +181,7 @@ class LLM:
         """
         proposer = build_proposer(spec, vocab_size=self.target.config.vocab_size, max_num_seqs=1,
                                   max_model_len=self.max_model_len, draft_model=self._load_draft(spec),
-                                  heads=self._load_heads(spec))
+                                  heads=self._load_heads(spec), special_ids=self.tokenizer.special_ids)
         return self._engine(spec, proposer, 1)
 
     def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,

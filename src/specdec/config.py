@@ -228,6 +228,9 @@ class SpeculativeConfig:
     # draft model numerics: weight-only quantization of the draft (never of the target)
     draft_quantization: str = "auto"  # one of QUANTIZATIONS
     draft_dtype: str | None = None
+    # the draft proposes only the first draft_vocab_size token ids (its most frequent, in a BPE's merge order)
+    # and the special tokens, and computes only their logits; None: every token
+    draft_vocab_size: int | None = None
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this run (vLLM)
     # medusa / eagle: a tree draft, as Medusa-style paths of child ranks ([[0], [1], [0, 0]]), "default"
     # (two guesses per depth) or "dynamic" (EAGLE-2: expand the tree_beam best nodes of each depth with
@@ -259,6 +262,8 @@ class SpeculativeConfig:
             isinstance(self.tree, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in self.tree)
         ):
             raise ValueError('tree must be "default", "dynamic" or a list of paths of child ranks, e.g. [[0], [1], [0, 0]]')
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1):
+            raise ValueError(f"draft_vocab_size must be a whole number >= 1, got {self.draft_vocab_size!r}")
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.draft_quantization!r}")
 

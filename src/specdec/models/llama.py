@@ -362,6 +362,17 @@ class Transformer(nn.Module):
         model.inv_freq = rope_inv_freq(config).to(model.device)
         return model.eval()
 
+    def output_rows(self, ids: torch.Tensor) -> nn.Module:
+        """An output layer of lm_head's rows `ids` only (sorted token ids), for `forward(head=...)`: the
+        logits of those tokens (on the block kernels, the very bits lm_head gives them) at a fraction of
+        lm_head's cost."""
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head.select_rows(ids.cpu())
+        rows = nn.Linear(self.config.hidden_size, len(ids), bias=False, device=self.device, dtype=self.lm_head.weight.dtype)
+        with torch.no_grad():
+            rows.weight.copy_(self.lm_head.weight[ids.to(self.device)])
+        return rows.eval()
+
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
@@ -382,6 +393,7 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,  # [B, T, T] bool among the new tokens; None: causal
         num_logits: int | None = None,  # logits for the last n tokens only; None: all T
         return_hidden: bool = False,
+        head: nn.Module | None = None,  # the output layer, if not lm_head (a draft's vocabulary: `output_rows`)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, n, vocab] (fp32) and, if asked, the final hidden states [B, T, hidden].
 
@@ -399,5 +411,5 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, write_slots, full_mask, key_index, slots)
         h = self.model.norm(h)
-        logits = self.lm_head(h if num_logits is None else h[:, -num_logits:]).float()
+        logits = (head or self.lm_head)(h if num_logits is None else h[:, -num_logits:]).float()
         return (logits, h) if return_hidden else logits

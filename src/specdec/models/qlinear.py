@@ -58,6 +58,18 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return qmm(x, self.blocks, self.types, self.bias)
 
+    def select_rows(self, ids: torch.Tensor) -> "QuantLinear":
+        """A new layer computing only output rows `ids` (sorted, of the whole concatenated weight), in that
+        order: their blocks copied, the same types, so each row's bits are the same as here."""
+        parts, start = [], 0
+        for w, t, n in zip(self.blocks, self.types, self.sizes):
+            sel = ids[(ids >= start) & (ids < start + n)] - start
+            if len(sel):
+                parts.append((w[sel].contiguous(), t))
+            start += n
+        bias = None if self.bias is None else self.bias[ids]
+        return QuantLinear(parts, self.in_features, bias)
+
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` of the whole (concatenated) weight as float32 [len(ids), in_features]."""
         out = torch.empty(len(ids), self.in_features)

@@ -217,6 +217,11 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special and added tokens (end of turn, tool-call markers, ...) and of eos."""
+        return frozenset(self._backend.get_added_tokens_decoder()) | frozenset(self.eos_token_ids)
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._id_of("bos_token")
 

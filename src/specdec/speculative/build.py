@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from specdec.config import SpeculativeConfig
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
-from specdec.speculative.proposers import DraftModelProposer, NgramProposer, NullProposer, Proposer, SuffixProposer
+from specdec.speculative.proposers import (DraftModelProposer, NgramProposer, NullProposer, Proposer, SuffixProposer,
+                                          draft_vocabulary)
 from specdec.speculative.suffix import SuffixCache
 from specdec.speculative.tree import DynamicTree, TreeShape
 
@@ -21,9 +22,10 @@ def tree_of(spec: SpeculativeConfig) -> TreeShape | DynamicTree | None:
 
 
 def build_proposer(spec: SpeculativeConfig | None, *, vocab_size: int, max_num_seqs: int, max_model_len: int,
-                   draft_model=None, heads=None) -> Proposer:
+                   draft_model=None, heads=None, special_ids=()) -> Proposer:
     """The proposer `spec` asks for (the `NullProposer` for None or K = 0). `draft_model` (method
-    "draft_model") and `heads` (medusa, eagle) are loaded by the caller; `vocab_size` is the target's."""
+    "draft_model") and `heads` (medusa, eagle) are loaded by the caller; `vocab_size` is the target's;
+    `special_ids` the tokenizer's special tokens (a draft vocabulary keeps them)."""
     if spec is None or spec.num_speculative_tokens == 0:
         return NullProposer()
     k = spec.num_speculative_tokens
@@ -34,7 +36,8 @@ def build_proposer(spec: SpeculativeConfig | None, *, vocab_size: int, max_num_s
         return SuffixProposer(cache, spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
                               tree=spec.tree == "dynamic")
     if spec.method == "draft_model":
-        return DraftModelProposer(draft_model, max_num_seqs, max_model_len)
+        vocab = draft_vocabulary(spec.draft_vocab_size, draft_model.config.vocab_size, special_ids)
+        return DraftModelProposer(draft_model, max_num_seqs, max_model_len, vocab=vocab)
     if spec.method == "medusa":
         return MedusaProposer(heads, vocab_size, tree_of(spec), max_depth=k)
     if spec.method == "eagle":

@@ -145,6 +145,18 @@ class NgramProposer(Proposer):
         return [Draft(self.lookup(seq.tokens, k)) for seq, k in zip(seqs, ks)]
 
 
+def draft_vocabulary(size: int | None, vocab_size: int, keep) -> torch.Tensor | None:
+    """The token ids a draft model proposes with `draft_vocab_size=size`: the ids below `size` (a byte-level
+    BPE numbers its tokens in the order of its merges, so the first ids are its most frequent pieces), plus
+    `keep` (the special tokens: end of turn, tool calls). None: all of them (size None, or not smaller than
+    the vocabulary). Example: Qwen2.5's first 65536 ids hold 98.7% of the tokens of HumanEval's prompts and
+    solutions, and 97.6% over Spec-Bench's questions with them."""
+    if size is None or size >= vocab_size:
+        return None
+    ids = set(range(size)) | {int(i) for i in keep if 0 <= int(i) < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
 @dataclass
 class _DraftRow:
     """A draft model's state for one sequence."""
@@ -167,14 +179,20 @@ class DraftModelProposer(Proposer):
     missed would cost a prefill, which is what made a draft that never agrees (probed now and then)
     slower than plain decoding. Its state counts the tokens before them (`_DraftRow.skipped`). The draft
     then sees less context, which can only lower its acceptance, never change the output.
+
+    `vocab` (sorted token ids, see `draft_vocabulary`): the draft proposes only these tokens, and computes
+    only their logits. Its output layer is then a fraction of its cost (the 0.5B draft's 152k-row lm_head
+    is 40% of its weights); its distribution, for rejection sampling, is its softmax over them, zero elsewhere.
     """
 
     reads_prompt = True
     kv_shift = 0  # slot s of a row holds the K/V of token s
 
     def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512,
-                 window: int = 16) -> None:
+                 window: int = 16, vocab: torch.Tensor | None = None) -> None:
         self.model = model
+        self.vocab = None if vocab is None else vocab.to(model.device)
+        self.head = None if vocab is None else model.output_rows(vocab)
         self.cache = model.new_cache(max_batch_size, capacity)
         self.prefill_chunk = prefill_chunk
         self.window = window
@@ -199,6 +217,8 @@ class DraftModelProposer(Proposer):
     def memory_bytes(self) -> int:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
+        if self.head is not None:
+            weights += sum(t.numel() * t.element_size() for t in [*self.head.parameters(), *self.head.buffers()])
         return weights + self.cache.nbytes
 
     def prefill(self, seq, start: int, stop: int) -> int:
@@ -213,7 +233,8 @@ class DraftModelProposer(Proposer):
         while start < stop:
             end = min(stop, start + self.prefill_chunk)
             chunk = torch.tensor([seq.tokens[start:end]], device=device)
-            self.model(chunk, torch.arange(start, end, device=device)[None], self.cache.row_view(row), num_logits=1)
+            self.model(chunk, torch.arange(start, end, device=device)[None], self.cache.row_view(row), num_logits=1,
+                       head=self.head)
             self.cache.advance(row, end - start)
             start = end
         return fed
@@ -227,6 +248,10 @@ class DraftModelProposer(Proposer):
         """The draft's token for `seq` from logits [V]: argmax when greedy, else a seeded draw. Under a grammar
         the logits are masked in the state after the `drafted` tokens: the draft proposes only what the
         grammar allows (its distribution, as reported for rejection sampling, is the masked one)."""
+        if self.vocab is not None:
+            if seq.params.greedy and seq.matcher is None:
+                return int(self.vocab[logits.argmax()]), None
+            logits = logits.new_full((self.model.config.vocab_size,), float("-inf")).index_copy_(0, self.vocab, logits)
         if seq.matcher is not None:
             masks, _ = seq.matcher.masks_along(drafted)
             logits = logits.float().masked_fill(~masks[-1].to(logits.device), float("-inf"))
@@ -259,8 +284,8 @@ class DraftModelProposer(Proposer):
         timed_from, catch_up = (None, 1) if width > 2 else (self._time(), 0)
         for step in range(k_max):
             logits = self.model(
-                torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.cache
-            )  # [B, width, V]
+                torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.cache, head=self.head
+            )  # [B, width, V] (V: len(vocab) with a vocabulary)
             for b, seq in enumerate(seqs):
                 if step == 0:
                     self.cache.advance(seq.row, len(pending[b]))
