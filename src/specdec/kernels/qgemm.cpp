@@ -26,6 +26,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -806,17 +807,26 @@ void amx_acts(const Acts& a, int64_t M, bool q45, bool q6, AmxActs& t) {
   t.d.assign(G * nb * 16, 0.f);
   t.s32.assign(G * nb * 128, 0);
   t.s16.assign(G * nb * 128, 0);
+  static const auto pos = [] {  // the dword of the block each (type, lane, 4 bytes) comes from
+    std::array<std::array<std::array<int, 8>, 8>, 2> p{};
+    for (int q = 0; q < 2; ++q)
+      for (int l = 0; l < 8; ++l)
+        for (int k4 = 0; k4 < 8; ++k4) p[q][l][k4] = amx_pos(q == 1, l, 4 * k4) / 4;
+    return p;
+  }();
   for (int64_t m = 0; m < M; ++m) {
     const int64_t g = m / 16, n = m % 16;
     const int8_t* q = a.qrow(m);
     for (int64_t i = 0; i < nb; ++i) {
       const int64_t gi = g * nb + i;
       t.d[gi * 16 + n] = a.drow(m)[i];
+      int32_t xd[64];  // the block's activations as dwords
+      std::memcpy(xd, q + i * 256, 256);
       for (int l = 0; l < 8; ++l) {
         const int64_t at = (gi * 8 + l) * 512 + n * 4;
         for (int k4 = 0; k4 < 8; ++k4) {
-          if (q45) std::memcpy(&t.b45[at + k4 * 64], q + i * 256 + amx_pos(false, l, 4 * k4), 4);
-          if (q6) std::memcpy(&t.b6[at + k4 * 64], q + i * 256 + amx_pos(true, l, 4 * k4), 4);
+          if (q45) std::memcpy(&t.b45[at + k4 * 64], &xd[pos[0][l][k4]], 4);
+          if (q6) std::memcpy(&t.b6[at + k4 * 64], &xd[pos[1][l][k4]], 4);
         }
         t.s32[(gi * 8 + l) * 16 + n] = a.s32row(m)[i * 8 + l];
         const int16_t* s = a.srow(m) + i * 16 + 2 * l;
@@ -933,26 +943,25 @@ inline void amx_weights_q6k(const uint8_t* b, const AmxIdx& x, uint8_t* alo, uin
   }
 }
 
-// The fp32 steps of lane l for 16 channels x 16 rows, from its tile sums (lo, hi: [16 channels][16 rows]).
+// The fp32 steps of lane l for 16 channels x 16 rows, from its tile sums (lo, hi: [16 channels][16 rows]);
+// ml[c]: channel c's multiplier of the lane's activation sums s (Q4_K / Q5_K: its min; Q6_K: its two
+// scales as an i16 pair).
 template <bool Q6>
-inline void amx_lane_steps(const int32_t* lo, const int32_t* hi, const __m512i s, const uint8_t* const* sc6,
-                           const uint64_t* mn, int l, const __m512* sd, const __m512* sm, __m512* f) {
+inline void amx_lane_steps(const int32_t* lo, const int32_t* hi, const __m512i s, const int32_t* ml,
+                           const __m512* sd, const __m512* sm, __m512* f) {
   for (int c = 0; c < 16; ++c) {
     const __m512i v = _mm512_add_epi32(_mm512_load_si512(lo + 16 * c), _mm512_slli_epi32(_mm512_load_si512(hi + 16 * c), 8));
-    if (Q6) {
-      const int8_t* sc = reinterpret_cast<const int8_t*>(sc6[c]);
-      const __m512i pair = _mm512_set1_epi32(static_cast<int32_t>(
-          static_cast<uint16_t>(sc[2 * l]) | (static_cast<uint32_t>(static_cast<uint16_t>(sc[2 * l + 1])) << 16)));
-      const __m512i corr = _mm512_madd_epi16(s, pair);  // the -32 offset, as the vector kernels add it
-      f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_slli_epi32(corr, 5))), sd[c], f[c]);
+    const __m512i ms = _mm512_madd_epi16(s, _mm512_set1_epi32(ml[c]));
+    if (Q6) {  // the -32 offset, as the vector kernels add it
+      f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_slli_epi32(ms, 5))), sd[c], f[c]);
     } else {
-      const __m512i ms = _mm512_madd_epi16(s, _mm512_set1_epi32(static_cast<int32_t>(byte_of(mn[c], l))));
       f[c] = _mm512_add_ps(f[c], _mm512_fmsub_ps(_mm512_cvtepi32_ps(v), sd[c], _mm512_mul_ps(_mm512_cvtepi32_ps(ms), sm[c])));
     }
   }
 }
 
-// Channels [0, nch) (a multiple of 16) of weight rows w, all M rows: out(m, c, value) for each. Per 16
+// Channels [0, nch) (a multiple of 16) of weight rows w, all M rows: out(m0, rows, c0, v) gives the values of
+// rows m0.. (rows of them) x channels c0..c0 + 15 as v[16 x channel + row]. Per 16
 // channels: every block unpacked first (each weight row read front to back), then block by block, row
 // group by row group, the 8 lane products (two sets of sum tiles, so that one lane's fp32 steps overlap
 // the next lane's product).
@@ -965,6 +974,7 @@ void amx_channels(const uint8_t* w, int64_t row_bytes, int64_t nch, const AmxAct
   std::vector<__m512i> abuf(nb * 2 * 16 * 256 / 64);  // [i][lo, hi][16 channels][256 bytes]
   std::vector<float> d(nb * 16), dmin(nb * 16);
   std::vector<uint64_t> mn(nb * 16);
+  std::vector<int32_t> ml(nb * 8 * 16);  // [i][lane][channel]: the multiplier of amx_lane_steps
   alignas(64) int32_t cbuf[2][2][256];  // [lane parity][lo, hi][16 channels x 16 rows]
   std::vector<__m512> F(G * 8 * 16);
   for (int64_t c0 = 0; c0 < nch; c0 += 16) {
@@ -976,13 +986,21 @@ void amx_channels(const uint8_t* w, int64_t row_bytes, int64_t nch, const AmxAct
         uint8_t* lo = A + (i * 2 * 16 + c) * 256;
         if (q6) amx_weights_q6k(b, x, lo, lo + 16 * 256, &d[i * 16 + c]);
         else amx_weights_k45<T == kQ5_K>(b, x, lo, lo + 16 * 256, &d[i * 16 + c], &dmin[i * 16 + c], &mn[i * 16 + c]);
+        for (int l = 0; l < 8; ++l) {
+          int32_t v;
+          if (q6) {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+            v = static_cast<int32_t>(static_cast<uint16_t>(sc[2 * l]) | (static_cast<uint32_t>(static_cast<uint16_t>(sc[2 * l + 1])) << 16));
+          } else {
+            v = byte_of(mn[i * 16 + c], l);
+          }
+          ml[(i * 8 + l) * 16 + c] = v;
+        }
       }
     std::fill(F.begin(), F.end(), _mm512_setzero_ps());
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* alo = A + i * 2 * 16 * 256;
       const uint8_t* ahi = alo + 16 * 256;
-      const uint8_t* sc6[16];
-      for (int c = 0; c < 16; ++c) sc6[c] = w + (c0 + c) * row_bytes + i * 210 + 192;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t gi = g * nb + i;
         const __m512 dx = _mm512_loadu_ps(&aa.d[gi * 16]);
@@ -1019,20 +1037,20 @@ void amx_channels(const uint8_t* w, int64_t row_bytes, int64_t nch, const AmxAct
           if (l > 0) {  // the previous lane's fp32 steps
             const int k = l - 1;
             const __m512i sv = _mm512_loadu_si512(&sums[(gi * 8 + k) * 16]);
-            amx_lane_steps<q6>(cbuf[k % 2][0], cbuf[k % 2][1], sv, sc6, &mn[i * 16], k, sd, sm, &F[(g * 8 + k) * 16]);
+            amx_lane_steps<q6>(cbuf[k % 2][0], cbuf[k % 2][1], sv, &ml[(i * 8 + k) * 16], sd, sm, &F[(g * 8 + k) * 16]);
           }
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g)
+    for (int64_t g = 0; g < G; ++g) {
+      alignas(64) float v[16 * 16];  // [channel][row]
       for (int c = 0; c < 16; ++c) {
         const __m512* f = &F[g * 8 * 16 + c];  // lane l at f[16 l]; summed as the vector kernels' hsum
-        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[64]), _mm512_add_ps(f[32], f[96])),
-                                       _mm512_add_ps(_mm512_add_ps(f[16], f[80]), _mm512_add_ps(f[48], f[112])));
-        alignas(64) float v[16];
-        _mm512_store_ps(v, s);
-        for (int64_t r = 0; r < 16 && g * 16 + r < M; ++r) out(g * 16 + r, c0 + c, v[r]);
+        _mm512_store_ps(v + 16 * c, _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[64]), _mm512_add_ps(f[32], f[96])),
+                                                  _mm512_add_ps(_mm512_add_ps(f[16], f[80]), _mm512_add_ps(f[48], f[112]))));
       }
+      out(g * 16, std::min<int64_t>(16, M - g * 16), c0, v);
+    }
   }
 }
 #endif
@@ -1121,11 +1139,14 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
 #if defined(SPECDEC_AMX)
       if (amx && is_k_quant(type) && n1 - n0 >= 16) {  // whole groups of 16 channels; the rest below
         const int64_t nch = (n1 - n0) / 16 * 16;
-        auto put = [&](int64_t m, int64_t c, float v) {
-          const int64_t n = n0 + c;
-          const float o = bp ? v + bp[n] : v;
-          if (out_bf16) yb[m * N + n] = static_cast<at::BFloat16>(o);
-          else yf[m * N + n] = o;
+        auto put = [&](int64_t m0, int64_t rows, int64_t c0, const float* v) {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int j = 0; j < 16; ++j) {
+              const int64_t n = n0 + c0 + j, m = m0 + r;
+              const float o = bp ? v[16 * j + r] + bp[n] : v[16 * j + r];
+              if (out_bf16) yb[m * N + n] = static_cast<at::BFloat16>(o);
+              else yf[m * N + n] = o;
+            }
         };
         const uint8_t* w0 = wbase + (n0 - starts[s]) * row_bytes;
         if (type == kQ4_K) amx_channels<kQ4_K>(w0, row_bytes, nch, aa, M, put);
