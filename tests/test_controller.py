@@ -296,8 +296,30 @@ def test_a_draft_reads_a_joining_prompt_only_where_the_time_saved_exceeds_the_re
     assert not ctl.prompt_pays([0.9], costs, prompt_tokens=100, output_tokens=16)
     assert ctl.prompt_pays([0.9], costs, prompt_tokens=30, output_tokens=16)  # a shorter prompt: 3 passes
     assert not ctl.prompt_pays([0.1], costs, prompt_tokens=1, output_tokens=1000)  # speculation would not run
-    assert not ctl.prompt_pays([0.9], CostModel(), prompt_tokens=1, output_tokens=1000)  # nothing measured yet
+    assert ctl.prompt_pays([0.9], CostModel(), prompt_tokens=1, output_tokens=1000)  # nothing measured: read, measure
     assert ctl.prompt_pays([0.9], costs_with(draft=0.1, verify=1.0), 100, 16)  # reading time unknown: read
+
+
+def test_sequences_whose_prompt_the_draft_read_have_their_own_acceptance():
+    """Drafts restarted on a short window agree less than drafts with the whole prompt: their rejections must
+    not talk the controller out of reading prompts. A sequence whose prompt is read starts from what such
+    sequences measured (0.9 before any), and the decision to read a joining prompt uses it too."""
+    ctl = SpeculationController(4, adaptive=True)
+    ctl.costs = costs_with(draft=0.2, verify=1.0)
+    ctl.costs.record_prefill("draft", 100, 1.0)
+    window = ctl.new_estimate()
+    assert not window.read_prompt and window.rate == pytest.approx(0.6)
+    read = ctl.new_estimate(read_prompt=True)
+    assert read.read_prompt and read.rate == pytest.approx(SpeculationController.PROMPT_PRIOR)
+    for _ in range(20):  # windowed drafts, rejected at once: the pooled rate falls, the prompt prior stays
+        ctl.report(StepReport(1, 4, 0.2, 5, 1.2, [(window, 4, 0)]))
+    assert ctl.acceptance.rate < 0.1 and ctl.with_prompt is None
+    assert ctl.draft_reads_prompt([], 1, 100, 64)
+    assert ctl.new_estimate(read_prompt=True).rate == pytest.approx(SpeculationController.PROMPT_PRIOR)
+    for _ in range(20):  # drafts with their prompt, rejected at once too: now reading does not pay
+        ctl.report(StepReport(1, 4, 0.2, 5, 1.2, [(read, 4, 0)]))
+    assert ctl.with_prompt.rate < 0.1 and ctl.new_estimate(read_prompt=True).rate < 0.1
+    assert not ctl.draft_reads_prompt([], 1, 100, 64)
 
 
 # ------------------------------------------------------------------------------------------- labelled drafts

@@ -712,21 +712,23 @@ def test_the_draft_reads_the_prompt_at_prefill_while_speculating():
 
 def test_the_draft_skips_prompts_joining_while_speculation_is_off():
     """An adaptive engine whose draft never agrees stops speculating; a prompt joining then is not fed to
-    the draft (a probe restarts on a short window instead), and the output stays exact."""
+    the draft (a probe restarts on a short window instead), and the output stays exact. Before anything is
+    measured the draft reads the prompt: its first steps measure it with its whole context."""
     degraded = PermutedLogitsModel(varied_model(seed=0, dtype=torch.float32), seed=1)
     engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4), 4,
                     adaptive=True, max_model_len=MAX_LEN)
     controller = engine.controller
     reads = lambda: controller.draft_reads_prompt([], 1, 29, GREEDY.max_tokens)  # noqa: E731  (a 30-token prompt)
-    assert not reads()  # nothing measured: the first step is a probe (on a window)
+    assert reads()  # nothing measured: the draft reads it, and its first steps measure it
     controller.costs.record_draft(1, 0.01)
     controller.costs.record_verify(1, 1.0)
     controller.costs.record_verify(2, 1.0)
-    assert reads()  # at the prior acceptance (0.6), a cheap draft pays
+    assert reads()  # at the prior acceptance of a draft with its prompt (0.9), a cheap draft pays
     controller.costs.record_prefill("draft", 10, 100.0)  # but not if reading takes longer than 40 tokens save
     assert not reads()
     controller.costs = CostModel()
     generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    assert controller.with_prompt is not None and controller.with_prompt.rate < 0.5  # it read it, and disagreed
     assert not reads()
     prompt = tuple(range(30, 60))
     fed, original = widths_fed(degraded.inner)

@@ -423,12 +423,16 @@ class Engine:
     def _draft_reads_prompt(self, seq: Sequence, start: int) -> bool:
         """Whether the proposer reads the prompt of `seq` from token `start` on: if it reads prompts at all,
         as the controller decides for the batch `seq` will be in (the running sequences, it and those
-        waiting behind it, up to max_batch_size)."""
+        waiting behind it, up to max_batch_size). If so, `seq` gets the acceptance prior of sequences whose
+        prompt was read."""
         if not self.proposer.reads_prompt:
             return False
         batch = min(self.max_batch_size, len(self.running) + 1 + len(self.waiting))
-        return self.controller.draft_reads_prompt([s.estimate for s in self.running], batch,
-                                                  len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
+        reads = self.controller.draft_reads_prompt([s.estimate for s in self.running], batch,
+                                                   len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
+        if reads and not seq.estimate.read_prompt:  # its acceptance is then that of drafts with their context
+            seq.estimate = self.controller.new_estimate(read_prompt=True)
+        return reads
 
     def _restore_prefix(self, seq: Sequence) -> int:
         """Start `seq` from the longest cached prefix of its prompt but the last token, in whole blocks: the

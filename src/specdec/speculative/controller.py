@@ -61,6 +61,7 @@ class AcceptanceEstimate:
 
     accepted: float = 1.8
     rejections: float = 1.2
+    read_prompt: bool = False  # a draft model read this sequence's prompt (it drafts with its whole context)
     # (`ByKind`) this sequence's lean: its drafted tokens accepted, and what the rates of their kinds expected
     kind_accepted: float = 0.0
     kind_expected: float = 0.0
@@ -257,12 +258,15 @@ class AdaptiveK:
 
     def prompt_pays(self, rates: list[float], costs: CostModel, prompt_tokens: int, output_tokens: int) -> bool:
         """Whether a draft model should read a joining prompt of `prompt_tokens` tokens; `rates` are the
-        batch's acceptance rates, the joining sequence's last. Yes if the batch will speculate and, for the
+        batch's acceptance rates, the joining sequence's last. Yes if nothing is measured yet (its first
+        steps measure the draft, with its context), or if the batch will speculate and, for the
         `output_tokens` the sequence may generate, the batch's time per token of this sequence under the
         best K beats plain decoding's by more than the reading costs. (Without the prompt the draft restarts
         on a short window, which agrees less: speculation for this row is then counted as lost.)"""
         k = self.next_k(rates, costs)
-        if k <= 0:
+        if k < 0:
+            return True
+        if k == 0:
             return False
         reading = costs.draft_prefill_time(prompt_tokens)
         if reading is None:
@@ -433,6 +437,9 @@ class SpeculationController:
             self.policy = FixedK(k_max)
         self.costs = CostModel()
         self.acceptance = AcceptanceEstimate()  # over all sequences: the prior of new ones
+        # over the sequences whose prompt a draft model read: the prior of those (a draft restarted on a short
+        # window agrees less, and must not talk the controller out of reading prompts); None: none judged yet
+        self.with_prompt: AcceptanceEstimate | None = None
         self.disable_by_batch_size = disable_by_batch_size
         self.restart_tokens = restart_tokens
 
@@ -444,8 +451,16 @@ class SpeculationController:
     def decay(self) -> float:
         return self.policy.decay
 
-    def new_estimate(self) -> AcceptanceEstimate:
-        """A joining sequence's estimate: what earlier sequences measured, weakly."""
+    # the acceptance assumed for a draft model reading its first prompt (before any such row is judged): a
+    # draft of the target's family, with the whole context; on the default pair 0.84-0.98 was measured
+    PROMPT_PRIOR = 0.9
+
+    def new_estimate(self, read_prompt: bool = False) -> AcceptanceEstimate:
+        """A joining sequence's estimate: what earlier sequences measured, weakly; for one whose prompt a draft
+        model reads, what earlier such sequences measured."""
+        if read_prompt:
+            rate = self.PROMPT_PRIOR if self.with_prompt is None else self.with_prompt.rate
+            return replace(AcceptanceEstimate.with_prior(rate), read_prompt=True)
         return AcceptanceEstimate.with_prior(self.acceptance.rate)
 
     def _disabled(self, batch_size: int) -> bool:
@@ -478,6 +493,10 @@ class SpeculationController:
         for estimate, depth, accepted in step.outcomes:
             estimate.update(depth, accepted, self.decay)
             self.acceptance.update(depth, accepted, self.decay)
+            if estimate.read_prompt and depth > 0:
+                if self.with_prompt is None:  # the prior, worth one drafted token
+                    self.with_prompt = AcceptanceEstimate.with_prior(self.PROMPT_PRIOR, weight=1.0)
+                self.with_prompt.update(depth, accepted, self.decay)
         if isinstance(self.policy, ByKind):
             self.policy.rates.step()
             for estimate, kinds, accepted in step.kinds:
@@ -490,13 +509,14 @@ class SpeculationController:
                            output_tokens: int) -> bool:
         """Whether a draft model should read a joining prompt of `prompt_tokens` tokens (otherwise a later
         speculative step restarts the draft on a short window). `estimates`: the running sequences';
-        `batch_size`: the batch the joining one will be in (new ones at the mean acceptance so far). Fixed
-        K: yes unless speculation is off. Adaptive: if K > 0 wins for that batch and the time saved over
-        `output_tokens` exceeds the reading (`AdaptiveK.prompt_pays`); not before anything is measured
-        (the first step is a probe)."""
+        `batch_size`: the batch the joining one will be in (new ones at the acceptance of sequences whose
+        prompt was read, `PROMPT_PRIOR` before any). Fixed K: yes unless speculation is off. Adaptive: if
+        nothing is measured yet, or if K > 0 wins for that batch and the time saved over `output_tokens`
+        exceeds the reading (`AdaptiveK.prompt_pays`)."""
         if self._disabled(batch_size):
             return False
         if not self.policy.adaptive:
             return self.k_max > 0
-        rates = [e.rate for e in estimates] + [self.acceptance.rate] * (batch_size - len(estimates))
+        joining = self.PROMPT_PRIOR if self.with_prompt is None else self.with_prompt.rate
+        rates = [e.rate for e in estimates] + [joining] * (batch_size - len(estimates))
         return self.policy.prompt_pays(rates, self.costs, prompt_tokens, output_tokens)
