@@ -18,8 +18,17 @@ from specdec.models.qlinear import QuantLinear
 
 TYPES = sorted(qgemm.SUPPORTED_TYPES)  # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
 FP16_FIELDS = {2: [0], 6: [0], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}  # byte offsets of fp16 scales
-ISAS = [isa for isa in ("avx512amx", "avx512vnni", "avx2", "generic") if qgemm._ISA_CPU_FLAGS[isa] <= qgemm.cpu_flags()
-        and (isa != "avx512amx" or qgemm._tiles_usable())]
+
+
+def runs_here(isa: str) -> bool:
+    """Whether this machine runs the build: its CPU flags, and for AMX the OS's leave to use the tiles. A
+    build that does not compile fails here, loudly (the engine would fall back to the next build)."""
+    if not qgemm._ISA_CPU_FLAGS[isa] <= qgemm.cpu_flags():
+        return False
+    return isa != "avx512amx" or bool(qgemm.ops(isa).uses_tiles())
+
+
+ISAS = [isa for isa in ("avx512amx", "avx512vnni", "avx2", "generic") if runs_here(isa)]
 
 
 def random_blocks(qtype: int, rows: int, row_len: int, seed: int = 0) -> torch.Tensor:

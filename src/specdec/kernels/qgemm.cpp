@@ -1016,7 +1016,7 @@ void amx_channels(const uint8_t* w, int64_t row_bytes, int64_t nch, const AmxAct
             _tile_loadd(2, alo + 32 * l, 256);
             _tile_loadd(3, ahi + 32 * l, 256);
             _tile_loadd(4, bl, 64);
-            if (l % 2 == 0) {
+            if (l % 2 == 0) {  // (tile numbers must be literals in the intrinsics: the two sets spelled out)
               _tile_zero(0);
               _tile_zero(1);
               _tile_dpbusd(0, 2, 4);

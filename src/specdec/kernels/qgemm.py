@@ -19,6 +19,7 @@ w is the uint8 [N, row_bytes] view of a GGUF tensor and 12 / 14 are GGML's Q4_K 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 
 from specdec.kernels.build import build_ops
 
+logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("qgemm.cpp")
 _VNNI = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 _ISA_FLAGS = {
@@ -91,7 +93,8 @@ def _tiles_usable() -> bool:
     this process use the tile registers."""
     try:
         return bool(ops("avx512amx").uses_tiles())
-    except Exception:
+    except Exception as exc:  # a compiler without AMX: the AVX-512 build does the same work (and bits), slower
+        logger.warning("the AMX build of the block kernels is not used (%s: %s)", type(exc).__name__, str(exc)[-300:])
         return False
 
 
