@@ -308,6 +308,31 @@ def test_a_draft_vocabulary_drafts_the_best_of_its_tokens_and_samples_only_them(
     assert all(t in vocab.tolist() for t in sampled.tokens)
 
 
+class OnlyTokens:
+    """A grammar matcher that allows only `allowed` tokens, whatever came before."""
+
+    def __init__(self, allowed: list[int], vocab_size: int = 97) -> None:
+        self.mask = torch.zeros(1, vocab_size, dtype=torch.bool)
+        self.mask[0, allowed] = True
+
+    def masks_along(self, tokens):
+        return self.mask, 1
+
+
+def test_a_draft_vocabulary_without_any_token_the_grammar_allows_proposes_allowed_ones(draft_model):
+    """Under a grammar that allows none of the vocabulary's tokens, the draft proposes the grammar's tokens,
+    uniformly (its distribution stays a distribution: rejection sampling needs one)."""
+    proposer = DraftModelProposer(draft_model, max_batch_size=1, capacity=64, vocab=draft_vocabulary(40, 97, []))
+    greedy = proposer.propose([Seq([1, 2, 3], matcher=OnlyTokens([90, 91]))], [2]).drafts[0]
+    assert set(greedy.tokens) <= {90, 91}
+    proposer.cache.clear(0)
+    params = SamplingParams(temperature=0.8, seed=3)
+    sampled = proposer.propose([Seq([1, 2, 3], params=params, generator=make_generator(3),
+                                    matcher=OnlyTokens([90, 91]))], [2]).drafts[0]
+    assert set(sampled.tokens) <= {90, 91}
+    assert torch.allclose(sampled.probs[:, [90, 91]], torch.full((2, 2), 0.5)) and sampled.probs.sum() == 2
+
+
 # ------------------------------------------------------------------------------------------- compatibility
 def config(vocab_size: int = 97) -> ModelConfig:
     return ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,

@@ -253,8 +253,11 @@ class DraftModelProposer(Proposer):
                 return int(self.vocab[logits.argmax()]), None
             logits = logits.new_full((self.model.config.vocab_size,), float("-inf")).index_copy_(0, self.vocab, logits)
         if seq.matcher is not None:
-            masks, _ = seq.matcher.masks_along(drafted)
-            logits = logits.float().masked_fill(~masks[-1].to(logits.device), float("-inf"))
+            allowed = seq.matcher.masks_along(drafted)[0][-1].to(logits.device)
+            logits = logits.float().masked_fill(~allowed, float("-inf"))
+            if self.vocab is not None and not bool(torch.isfinite(logits).any()):
+                # none of the vocabulary's tokens is allowed here: propose one the grammar allows, uniformly
+                logits = torch.zeros_like(logits).masked_fill(~allowed, float("-inf"))
         if seq.params.greedy:
             return int(logits.argmax()), None
         probs = process_logits(logits[None], seq.params)[0]
