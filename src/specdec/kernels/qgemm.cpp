@@ -6,13 +6,15 @@
 // the others, plus sums of every 16 quants), weight block x activation block products are integer dot
 // products (exact, so their order does not matter), and block results are combined in fp32.
 //
-// Row invariance, by construction: the bits of y[m, n] depend only on row m of x and row n of W.  Every
-// (row, channel) pair owns its own 8 int32 lanes per block and 8 fp32 lanes over the whole row, updated by
-// the same sequence of operations whether the row is computed alone or in a group of up to kMaxRows rows,
-// whatever thread takes the channel, then reduced by one fixed horizontal sum.  The integer lanes are
-// exact (no saturation: weights are at most 6 bits unsigned, or signed 8 bits through the sign trick,
-// activations lie in [-127, 127]), so the AVX2 path (maddubs + madd), the VNNI path (maddubs + dpwssd,
-// dpbusd) and the portable path (the same lanes in scalar code) give the same bits.
+// Row invariance, by construction: the bits of y[m, n] depend only on row m of x and row n of W.  For the
+// k-quants each (row, channel, 256-value block) gives exact integers (S = the sum of scale x weight x
+// activation over the block; Q4_K / Q5_K also Mn = the sum of min x activation), and the channel's fp32 value
+// takes one step per block, in block order (`step45` / `step6`: the same few IEEE operations everywhere).
+// The 32-value types keep, per (row, channel), 8 int32 lanes per block and 8 fp32 lanes over the row,
+// reduced by one fixed horizontal sum.  Integers are exact (no saturation: weights are at most 6 bits
+// unsigned, or signed 8 bits through the sign trick, activations lie in [-127, 127]), so however a build
+// gets them (AVX2 maddubs + madd, AVX-512 VNNI, AMX tile products, scalar code) and whatever other rows,
+// row count or thread computes alongside, the fp32 steps see the same values and give the same bits.
 //
 // Registered as torch.ops.<library>.qmm; the library name comes from -DSPECDEC_QLIB (one per ISA build).
 
@@ -234,14 +236,47 @@ inline VI pair16(int16_t a, int16_t b) { VI v; for (int i = 0; i < 16; ++i) v.h[
 inline VI widen32(uint64_t v) { VI r; for (int i = 0; i < 8; ++i) r.w[i] = static_cast<uint8_t>(v >> (8 * i)); return r; }
 #endif
 
+// The sum of the 8 int32 lanes (exact: the order does not matter).
+inline int32_t hsum_i(VI v) {
+#if defined(__AVX2__)
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+#else
+  int32_t t = 0;
+  for (int i = 0; i < 8; ++i) t += v.w[i];
+  return t;
+#endif
+}
+
+// One k-quant block's fp32 step for a (row, channel), from its exact integers; every path of every build
+// computes exactly these operations (vectorized ones lane by lane): f + (S * (dx d) - Mn * (dx dmin)), the
+// product with S fused (Q4_K / Q5_K), and f + S * (dx d), fused (Q6_K).
+inline float step45(float f, int32_t S, int32_t Mn, float dx, float d, float dmin) {
+  return f + std::fma(static_cast<float>(S), dx * d, -(static_cast<float>(Mn) * (dx * dmin)));
+}
+inline float step6(float f, int32_t S, float dx, float d) { return std::fma(static_cast<float>(S), dx * d, f); }
+
 // ---- quantized activations ----------------------------------------------------------------------
 
 struct Acts {
-  int64_t K = 0, bs = 0;     // row length, block size (32 or 256)
-  std::vector<int8_t> q;     // [M][K]
-  std::vector<int16_t> s;    // [M][K / 16]: sums of 16 quants
-  std::vector<int32_t> s32;  // [M][K / 32]: sums of 32 quants
-  std::vector<float> d;      // [M][K / bs]: block scales
+  int64_t M = 0, K = 0, bs = 0;  // rows, row length, block size (32 or 256)
+  std::vector<int8_t> q;         // [M][K]
+  std::vector<int16_t> s;        // [M][K / 16]: sums of 16 quants
+  std::vector<int32_t> s32;      // [M][K / 32]: sums of 32 quants
+  std::vector<float> d;          // [M][K / bs]: block scales
+  // bs = 256, rows side by side: dT [K / 256][M] block scales, bsT [K / 256][4][M] the sums of sub-blocks
+  // (2t, 2t + 1) as an i16 pair
+  std::vector<float> dT;
+  std::vector<int32_t> bsT;
+  // bs = 256, the 512-bit kernels, M >= 2: each group of kMaxRows rows (the last one shorter) interleaved so
+  // that a group's rows are read from one pointer: qg (from m0 K) [block][64-value chunk][row][64], sg (from
+  // m0 K / 16) [block][row][16 sums]
+  std::vector<int8_t> qg;
+  std::vector<int16_t> sg;
+  const int8_t* qgroup(int64_t m0) const { return (qg.empty() ? q.data() : qg.data()) + m0 * K; }
+  const int16_t* sgroup(int64_t m0) const { return (sg.empty() ? s.data() : sg.data()) + m0 * (K / 16); }
   const int8_t* qrow(int64_t m) const { return q.data() + m * K; }
   const int16_t* srow(int64_t m) const { return s.data() + m * (K / 16); }
   const int32_t* s32row(int64_t m) const { return s32.data() + m * (K / 32); }
@@ -265,9 +300,11 @@ struct Rows {
   }
 };
 
-// One row, one block: scale = amax / 127, q = round-half-even(x * 127 / amax), in [-127, 127].
-// Elementwise IEEE operations only, so any build (vectorized or not) gives the same bytes.
-inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
+// One row, one block: scale = amax / 127, q = round-half-even(x * 127 / amax), in [-127, 127], and the sums of
+// every 16 quants. Elementwise IEEE operations only (the maximum is order-free; where x holds a NaN, it is
+// skipped by the maximum and becomes -127, in both forms), so the vector form below gives the bytes of the
+// scalar one.
+inline void quantize_block_scalar(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
   float amax = 0.f;
   for (int64_t i = 0; i < bs; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float id = amax > 0.f ? 127.f / amax : 0.f;
@@ -284,6 +321,37 @@ inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, fl
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < bs; i += 16) mx = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), mx);  // NaN: mx
+  const float amax = _mm512_reduce_max_ps(mx);
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  *d = amax / 127.f;
+  const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t g = 0; g < bs / 16; ++g) {
+    __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * g), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);  // NaN: -127, as the scalar form
+    const __m512i w = _mm512_cvtps_epi32(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g), _mm512_cvtepi32_epi8(w));
+    s[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(w));
+  }
+}
+#else
+inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) { quantize_block_scalar(x, bs, q, s, d); }
+#endif
+
+inline void bf16_to_f32(const at::BFloat16* x, int64_t n, float* y) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  for (; k + 16 <= n; k += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)));
+    _mm512_storeu_ps(y + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+#endif
+  for (; k < n; ++k) y[k] = static_cast<float>(x[k]);
+}
+
 void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
   const int64_t M = x.size(0), K = x.size(1);
   a.K = K;
@@ -295,15 +363,13 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
   const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    std::vector<float> row(K);
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / K), [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(bf16 ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
-      const float* r;
+      const float* r = xf + m * K;
       if (bf16) {
-        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xb[m * K + k]);
+        bf16_to_f32(xb + m * K, K, row.data());
         r = row.data();
-      } else {
-        r = xf + m * K;
       }
       for (int64_t b = 0; b < K / bs; ++b)
         quantize_block(r + b * bs, bs, a.q.data() + m * K + b * bs, a.s.data() + m * (K / 16) + b * (bs / 16),
@@ -312,6 +378,38 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
       for (int64_t g = 0; g < K / 32; ++g) a.s32[m * (K / 32) + g] = s16[2 * g] + s16[2 * g + 1];
     }
   });
+  a.M = M;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  a.qg.clear();
+  a.sg.clear();
+  if (bs == 256 && M >= 2) {
+    const int64_t nb = K / 256;
+    a.qg.resize(M * K);
+    a.sg.resize(M * (K / 16));
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t R = std::min<int64_t>(kMaxRows, M - m0);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < nb; ++i) {
+          for (int c = 0; c < 4; ++c)
+            std::memcpy(a.qg.data() + m0 * K + ((i * 4 + c) * R + r) * 64, a.q.data() + (m0 + r) * K + i * 256 + c * 64, 64);
+          std::memcpy(a.sg.data() + m0 * (K / 16) + (i * R + r) * 16, a.s.data() + (m0 + r) * (K / 16) + i * 16, 32);
+        }
+    }
+  }
+#endif
+  if (bs == 256) {
+    const int64_t nb = K / 256;
+    a.dT.resize(nb * M);
+    a.bsT.resize(nb * 4 * M);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < nb; ++i) {
+        a.dT[i * M + m] = a.d[m * nb + i];
+        const int32_t* s32 = a.s32.data() + m * (K / 32) + 8 * i;
+        for (int t = 0; t < 4; ++t)
+          a.bsT[(i * 4 + t) * M + m] = static_cast<int32_t>(static_cast<uint16_t>(s32[2 * t]) |
+                                                           (static_cast<uint32_t>(static_cast<uint16_t>(s32[2 * t + 1])) << 16));
+      }
+  }
 }
 
 // ---- one output channel, R rows -------------------------------------------------------------------
@@ -329,7 +427,7 @@ inline void prefetch_ahead(const uint8_t* p, int64_t n) {
 // Q4_K / Q5_K: the 8 six-bit (scale, min) pairs packed in 12 bytes. Bytes 0-3 hold scales 0-3 in their low
 // 6 bits, bytes 4-7 mins 0-3; pairs 4-7 take their low 4 bits from bytes 8-11 and their top 2 bits from
 // the top bits of bytes 0-3 (scales) and 4-7 (mins). Four bytes at a time.
-inline void k_scales_mins(const uint8_t* q, uint64_t* sc, uint64_t* mn) {  // byte j of *sc: scale j
+__attribute__((always_inline)) inline void k_scales_mins(const uint8_t* q, uint64_t* sc, uint64_t* mn) {  // byte j of *sc: scale j
   uint32_t u[3];
   std::memcpy(u, q, 12);
   *sc = (u[0] & 0x3f3f3f3fu) | (static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)) << 32);
@@ -342,8 +440,8 @@ template <int R, bool Q5>
 void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
-  VF f[R];
-  for (int r = 0; r < R; ++r) f[r] = fzero();
+  float f[R];
+  for (int r = 0; r < R; ++r) f[r] = 0.f;
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = w + i * bytes;
     prefetch_ahead(b, bytes);
@@ -371,21 +469,19 @@ void dot_q45k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* ou
     }
     const VI mins = widen32(mn);
     for (int r = 0; r < R; ++r) {
-      const float dx = rw.d[r][i];
-      const VI msum = madd(load(rw.s32[r] + i * 8), mins);  // lane j: min j * sum of sub-block j
-      // one fp32 step on the chain: f += (acc * dx * d - msum * dx * dmin)
-      f[r] = fadd(f[r], fmsub_i(add32(acc[r], acc2[r]), dx * d, fmul_i(msum, dx * dmin)));
+      const int32_t mnsum = hsum_i(madd(load(rw.s32[r] + i * 8), mins));  // sum of min j * sum of sub-block j
+      f[r] = step45(f[r], hsum_i(add32(acc[r], acc2[r])), mnsum, rw.d[r][i], d, dmin);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+  for (int r = 0; r < R; ++r) out[r] = f[r];
 }
 
 // Q6_K (210 bytes: 128 of low nibbles, 64 of 2-bit highs, 16 int8 scales, d): w = d * sc * (q - 32).
 template <int R>
 void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
-  VF f[R];
-  for (int r = 0; r < R; ++r) f[r] = fzero();
+  float f[R];
+  for (int r = 0; r < R; ++r) f[r] = 0.f;
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = w + i * 210;
     prefetch_ahead(b, 210);
@@ -414,10 +510,10 @@ void dot_q6k(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
     const VI s16 = scales16(sc);
     for (int r = 0; r < R; ++r) {
       const VI corr = madd(load(rw.s[r] + i * 16), s16);  // the -32 offset: 32 * sum(sc * bsum)
-      f[r] = fmadd_i(sub32(add32(acc[r], acc2[r]), shl32(corr, 5)), rw.d[r][i] * d, f[r]);
+      f[r] = step6(f[r], hsum_i(sub32(add32(acc[r], acc2[r]), shl32(corr, 5))), rw.d[r][i], d);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(f[r]);
+  for (int r = 0; r < R; ++r) out[r] = f[r];
 }
 
 // 32-weight blocks with one fp16 scale: Q8_0 (int8), Q4_0 (nibble - 8), Q5_0 (5 bits - 16).
@@ -470,19 +566,52 @@ inline __m512i shifts(int lo, int hi) {  // i16 shift counts: lo for bytes 0-31,
   return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)), _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
 }
 
+// The exact sums of the lanes of two items at once: a0, a1 (16 int32 lanes each), m0, m1 (8 each) -> out4 =
+// {sum a0, sum a1, sum m0, sum m1}.
+inline void sums2(__m512i a0, __m512i a1, VI m0, VI m1, int32_t* out4) {
+  const __m512i u = _mm512_add_epi32(_mm512_shuffle_i64x2(a0, a1, 0x44), _mm512_shuffle_i64x2(a0, a1, 0xEE));
+  const __m512i m = _mm512_inserti64x4(_mm512_castsi256_si512(m0), m1, 1);
+  __m512i v = _mm512_add_epi32(_mm512_shuffle_i64x2(u, m, 0x88), _mm512_shuffle_i64x2(u, m, 0xDD));
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, static_cast<_MM_PERM_ENUM>(0x4E)));
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, static_cast<_MM_PERM_ENUM>(0xB1)));
+  alignas(64) int32_t t[16];
+  _mm512_store_si512(t, v);
+  out4[0] = t[0];
+  out4[1] = t[4];
+  out4[2] = t[8];
+  out4[3] = t[12];
+}
+
+// Lane r of the result: the exact sum of the 16 lanes of v[r], r < R <= 8 (a transposing tree: 24 operations
+// for 8 vectors).
+template <int R>
+inline VI reduce8(const __m512i* in) {
+  __m512i v[8], t[4], u[2];
+  for (int k = 0; k < 8; ++k) v[k] = k < R ? in[k] : _mm512_setzero_si512();
+  for (int p = 0; p < 4; ++p)  // 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    t[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_epi32(v[2 * p], v[2 * p + 1]));
+  for (int q = 0; q < 2; ++q)  // 128-bit lane: the sums of vectors 4q..4q + 3 over that lane
+    u[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * q], t[2 * q + 1]), _mm512_unpackhi_epi64(t[2 * q], t[2 * q + 1]));
+  const __m512i x = _mm512_add_epi32(_mm512_shuffle_i64x2(u[0], u[1], 0x88), _mm512_shuffle_i64x2(u[0], u[1], 0xDD));
+  const __m512i y = _mm512_add_epi32(x, _mm512_shuffle_i64x2(x, x, 0xB1));  // [u0, u0, u1, u1] summed over lanes
+  return _mm512_castsi512_si256(_mm512_shuffle_i64x2(y, y, 0x08));
+}
+
 // C channels at a time (C = 2 for one or two rows: two independent weight streams keep the core busy
 // where one row leaves it waiting on latencies); out[c * R + r].
 template <int R, int C, bool Q5>
 void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
+  const int8_t* xg = a.qgroup(m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
   const __m512i m0f = _mm512_set1_epi8(0x0F), m01 = _mm512_set1_epi8(1);
   const __m512i sh04 = shifts(0, 4);
   __m512i pick[4];  // i16 lanes 0-15: scale 2j, 16-31: scale 2j + 1
   for (int j = 0; j < 4; ++j) pick[j] = shifts(2 * j, 2 * j + 1);
-  VF f[C][R];
+  float f[C][R];
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) f[c][r] = fzero();
+    for (int r = 0; r < R; ++r) f[c][r] = 0.f;
+  VF fr = fzero();  // C = 1, R >= 3: the rows' values side by side
   for (int64_t i = 0; i < nb; ++i) {
     float d[C], dmin[C];
     uint64_t mn[C];
@@ -504,7 +633,7 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
       for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       __m512i x[R];
-      for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_si512(rw.q[r] + i * 256 + 64 * j);
+      for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_si512(xg + (i * 4 + j) * R * 64 + r * 64);
       for (int c = 0; c < C; ++c) {
         // [low nibbles | high nibbles] of 32 bytes: sub-blocks 2j and 2j + 1
         __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs[c] + 32 * j)), sh04), m0f);
@@ -516,22 +645,42 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
         for (int r = 0; r < R; ++r) acc[c][r] = madd_acc_z<R * C>(acc[c][r], _mm512_maddubs_epi16(q, x[r]), s);
       }
     }
-    for (int c = 0; c < C; ++c) {
-      const VI mins = widen32(mn[c]);
-      for (int r = 0; r < R; ++r) {
-        const float dx = rw.d[r][i];
-        const VI msum = madd(load(rw.s32[r] + i * 8), mins);
-        f[c][r] = fadd(f[c][r], fmsub_i(halves_sum(acc[c][r]), dx * d[c], fmul_i(msum, dx * dmin[c])));
-      }
+    if (C == 1 && R >= 3) {  // the rows side by side: S through a tree, Mn from the rows' sub-block sums
+      const __mmask8 rows = static_cast<__mmask8>((1u << R) - 1);
+      const VI S = reduce8<R>(acc[0]);
+      alignas(16) int32_t mp[4];  // mins (2t, 2t + 1) as i16 pairs
+      _mm_store_si128(reinterpret_cast<__m128i*>(mp), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn[0]))));
+      VI Mn = zero();
+      for (int t = 0; t < 4; ++t)
+        Mn = add32(Mn, madd(_mm256_maskz_loadu_epi32(rows, a.bsT.data() + (i * 4 + t) * a.M + m0), _mm256_set1_epi32(mp[t])));
+      const VF dx = _mm256_maskz_loadu_ps(rows, a.dT.data() + i * a.M + m0);
+      const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_set1_ps(dmin[0])));
+      fr = _mm256_add_ps(fr, _mm256_fmsub_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_set1_ps(d[0])), m));
+      continue;
+    }
+    VI mins[C];
+    for (int c = 0; c < C; ++c) mins[c] = widen32(mn[c]);
+    for (int k = 0; k < C * R; k += 2) {  // items (channel, row) two at a time: S and Mn, then the steps
+      const int k1 = k + 1 < C * R ? k + 1 : k, c0 = k / R, r0 = k % R, c1 = k1 / R, r1 = k1 % R;
+      int32_t v[4];
+      sums2(acc[c0][r0], acc[c1][r1], madd(load(rw.s32[r0] + i * 8), mins[c0]), madd(load(rw.s32[r1] + i * 8), mins[c1]), v);
+      f[c0][r0] = step45(f[c0][r0], v[0], v[2], rw.d[r0][i], d[c0], dmin[c0]);
+      if (k1 != k) f[c1][r1] = step45(f[c1][r1], v[1], v[3], rw.d[r1][i], d[c1], dmin[c1]);
     }
   }
+  if (C == 1 && R >= 3) {
+    _mm256_mask_storeu_ps(out, static_cast<__mmask8>((1u << R) - 1), fr);
+    return;
+  }
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) out[c * R + r] = hsum(f[c][r]);
+    for (int r = 0; r < R; ++r) out[c * R + r] = f[c][r];
 }
 
 template <int R, int C>
 void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
+  const int8_t* xg = a.qgroup(m0);
+  const int16_t* sg = a.sgroup(m0);
   const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
   const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
   __m512i pick[4];  // for (h, k): the scales of the four 16-value groups of 64 values, 8 i16 lanes each
@@ -542,9 +691,10 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
           _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
           pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
     }
-  VF f[C][R];
+  float f[C][R];
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) f[c][r] = fzero();
+    for (int r = 0; r < R; ++r) f[c][r] = 0.f;
+  VF fr = fzero();  // C = 1, R >= 3: the rows' values side by side
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b[C];
     __m512i s16z[C];
@@ -569,23 +719,42 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
         for (int k = 0; k < 2; ++k) {
           const __m512i s = _mm512_permutexvar_epi16(pick[2 * h + k], s16z[c]);
           for (int r = 0; r < R; ++r) {
-            const __m512i x = _mm512_loadu_si512(rw.q[r] + i * 256 + 128 * h + 64 * k);
+            const __m512i x = _mm512_loadu_si512(xg + (i * 4 + 2 * h + k) * R * 64 + r * 64);
             acc[c][r] = madd_acc_z<R * C>(acc[c][r], _mm512_maddubs_epi16(q[k], x), s);
           }
         }
       }
     }
+    if (C == 1 && R >= 3) {  // the rows side by side: the -32 offset folded into each row's lanes, then a tree
+      const VI sc16 = scales16(reinterpret_cast<const int8_t*>(b[0] + 192));
+      __m512i v[R];
+      for (int r = 0; r < R; ++r)
+        v[r] = _mm512_sub_epi32(acc[0][r], _mm512_zextsi256_si512(shl32(madd(load(sg + (i * R + r) * 16), sc16), 5)));
+      const VF dx = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << R) - 1), a.dT.data() + i * a.M + m0);
+      fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8<R>(v)), _mm256_mul_ps(dx, _mm256_set1_ps(fp16(b[0] + 208))), fr);
+      continue;
+    }
+    VI s16[C];
+    float d[C];
     for (int c = 0; c < C; ++c) {
-      const VI s16 = scales16(reinterpret_cast<const int8_t*>(b[c] + 192));
-      const float d = fp16(b[c] + 208);
-      for (int r = 0; r < R; ++r) {
-        const VI corr = madd(load(rw.s[r] + i * 16), s16);  // the -32 offset: 32 * sum(sc * bsum)
-        f[c][r] = fmadd_i(sub32(halves_sum(acc[c][r]), shl32(corr, 5)), rw.d[r][i] * d, f[c][r]);
-      }
+      s16[c] = scales16(reinterpret_cast<const int8_t*>(b[c] + 192));
+      d[c] = fp16(b[c] + 208);
+    }
+    for (int k = 0; k < C * R; k += 2) {  // items (channel, row) two at a time; the -32 offset: 32 sum(sc bsum)
+      const int k1 = k + 1 < C * R ? k + 1 : k, c0 = k / R, r0 = k % R, c1 = k1 / R, r1 = k1 % R;
+      int32_t v[4];
+      sums2(acc[c0][r0], acc[c1][r1], shl32(madd(load(sg + (i * R + r0) * 16), s16[c0]), 5),
+            shl32(madd(load(sg + (i * R + r1) * 16), s16[c1]), 5), v);
+      f[c0][r0] = step6(f[c0][r0], v[0] - v[2], rw.d[r0][i], d[c0]);
+      if (k1 != k) f[c1][r1] = step6(f[c1][r1], v[1] - v[3], rw.d[r1][i], d[c1]);
     }
   }
+  if (C == 1 && R >= 3) {
+    _mm256_mask_storeu_ps(out, static_cast<__mmask8>((1u << R) - 1), fr);
+    return;
+  }
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) out[c * R + r] = hsum(f[c][r]);
+    for (int r = 0; r < R; ++r) out[c * R + r] = f[c][r];
 }
 
 template <int R, bool Q5>
@@ -748,14 +917,28 @@ int64_t block_bytes(int64_t t) {
 
 #if defined(SPECDEC_AMX)
 // ---- AMX tiles (Sapphire Rapids and later) for the k-quants, many rows at once ------------------------
-// The tile unit multiplies 16 x 64 bytes by 64 x 16 bytes into 16 x 16 int32 in one instruction. Here it
-// computes the very integer lanes the vector kernels compute (so the same bits, whatever the path):
-// lane l of a (row, channel, block) is the sum, over the 32 positions p of the block with p mod 32 in
-// [4l, 4l + 4), of scale(p) x weight(p) x activation(p) (Q6_K: weight 0-63, its -32 offset added at the
-// end as in the vector kernels). A tile row is one channel's 32 scaled weights of one lane, as two bytes
-// (scaled weight = low byte + 256 x high byte), the tile column a row of activations; the 8 lanes are 8
-// tile products, then the fp32 steps of the vector kernels, vectorized over 16 rows.
-constexpr int kAmxMinRows = 16;  // measured: 1.1x the vector kernels at 16 rows, 1.3-1.5x at 32, 1.5-1.8x at 128; 0.6x at 8
+// The tile unit multiplies 16 x 64 bytes by 64 x 16 bytes into 16 x 16 int32 in one instruction. A block's
+// integers are plain sums over its 256 positions, so each 64-position chunk of 16 channels is one tile row
+// per channel: scale x weight (Q6_K: scale x (weight - 32)) as its low bytes and its high bytes (two
+// products; the second sum counts 256 times), and for Q4_K / Q5_K the min of each position (a third
+// product: Mn). The activations' tile holds 16 rows in the unit's layout (4 bytes of each row in turn).
+// The fp32 steps then run over the 16 rows at once, lane by lane the operations of step45 / step6.
+#ifndef SPECDEC_AMX_MIN_ROWS
+#define SPECDEC_AMX_MIN_ROWS 12
+#endif
+constexpr int kAmxMinRows = SPECDEC_AMX_MIN_ROWS;
+#ifndef EXP_UNPACK
+#define EXP_UNPACK 1
+#endif
+#ifndef EXP_TMUL
+#define EXP_TMUL 1
+#endif
+#ifndef EXP_SAMEBLOCK
+#define EXP_SAMEBLOCK 0
+#endif
+#ifndef EXP_EPI
+#define EXP_EPI 1
+#endif
 
 bool amx_ok() {
   // the kernel lets a process use the tile registers once it asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
@@ -770,287 +953,216 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0 / tmm1 (and tmm5 / tmm6, the next lane's): lane sums from the low / high bytes, 16 channels x 16
-// rows of int32; tmm2 / tmm3: low / high bytes, 16 channels x 32; tmm4: activations, 8 x (16 rows x 4 bytes)
+// tmm0 / tmm1: sums of the low / high bytes (16 channels x 16 rows of int32); tmm4 / tmm5: their weight rows
+// (16 channels x 64 bytes); tmm6: activations (16 x (16 rows x 4 bytes))
 void amx_configure() {
   TileConfig c;
-  for (int t : {0, 1, 5, 6}) c.rows[t] = 16, c.colsb[t] = 64;
-  for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 32;
-  c.rows[4] = 8;
-  c.colsb[4] = 64;
+  for (int t : {0, 1, 4, 5, 6}) c.rows[t] = 16, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 
-// Where a lane's 32 tile bytes come from: tile byte r (r < 32) of lane l holds block position
-// pos(l, r), t = r mod 4, m = (r mod 16) / 4, half = r / 16 (the order the weight unpacking below gives):
-//   Q4_K / Q5_K: 64 m + 32 half + 4 l + t
-//   Q6_K:        128 (m / 2) + 64 half + 32 (m mod 2) + 4 l + t
-inline int amx_pos(bool q6, int l, int r) {
-  const int t = r % 4, m = (r % 16) / 4, half = r / 16;
-  return q6 ? 128 * (m / 2) + 64 * half + 32 * (m % 2) + 4 * l + t : 64 * m + 32 * half + 4 * l + t;
-}
-
-// Activations laid out for the tiles, per group of 16 rows (missing rows are zeros) and block.
+// The activations in the tiles' layout, per group of 16 rows (missing rows are zeros), block and chunk of 64
+// positions: byte 64 k4 + 4 n + t of a chunk's 1024 is row n's value at position 4 k4 + t of the chunk.
 struct AmxActs {
   int64_t nb = 0;
-  std::vector<int8_t> b45, b6;  // [g][i][l][8][16 rows][4]: 512 bytes a (g, i, l)
-  std::vector<float> d;         // [g][i][16]: block scales
-  std::vector<int32_t> s32;     // [g][i][l][16]: sub-block l's sum (Q4_K / Q5_K mins)
-  std::vector<int32_t> s16;     // [g][i][l][16]: i16 pair (sum of group 2l, of group 2l + 1) (Q6_K offset)
+  std::vector<int8_t> b;    // [g][i][chunk][1024]
+  std::vector<float> d;     // [g][i][16 rows]: block scales (0 for missing rows)
+  std::vector<int32_t> bs;  // [g][i][t][16 rows]: sums of sub-blocks 2t, 2t + 1 as an i16 pair (for Mn)
 };
 
-void amx_acts(const Acts& a, int64_t M, bool q45, bool q6, AmxActs& t) {
+void amx_acts(const Acts& a, int64_t M, AmxActs& t) {
   const int64_t nb = a.K / 256, G = (M + 15) / 16;
   t.nb = nb;
-  if (q45) t.b45.assign(G * nb * 4096, 0);
-  if (q6) t.b6.assign(G * nb * 4096, 0);
+  t.b.assign(G * nb * 4096, 0);
   t.d.assign(G * nb * 16, 0.f);
-  t.s32.assign(G * nb * 128, 0);
-  t.s16.assign(G * nb * 128, 0);
-  static const auto pos = [] {  // the dword of the block each (type, lane, 4 bytes) comes from
-    std::array<std::array<std::array<int, 8>, 8>, 2> p{};
-    for (int q = 0; q < 2; ++q)
-      for (int l = 0; l < 8; ++l)
-        for (int k4 = 0; k4 < 8; ++k4) p[q][l][k4] = amx_pos(q == 1, l, 4 * k4) / 4;
-    return p;
-  }();
+  t.bs.assign(G * nb * 64, 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t g = m / 16, n = m % 16;
     const int8_t* q = a.qrow(m);
     for (int64_t i = 0; i < nb; ++i) {
       const int64_t gi = g * nb + i;
       t.d[gi * 16 + n] = a.drow(m)[i];
-      int32_t xd[64];  // the block's activations as dwords
-      std::memcpy(xd, q + i * 256, 256);
-      for (int l = 0; l < 8; ++l) {
-        const int64_t at = (gi * 8 + l) * 512 + n * 4;
-        for (int k4 = 0; k4 < 8; ++k4) {
-          if (q45) std::memcpy(&t.b45[at + k4 * 64], &xd[pos[0][l][k4]], 4);
-          if (q6) std::memcpy(&t.b6[at + k4 * 64], &xd[pos[1][l][k4]], 4);
-        }
-        t.s32[(gi * 8 + l) * 16 + n] = a.s32row(m)[i * 8 + l];
-        const int16_t* s = a.srow(m) + i * 16 + 2 * l;
-        t.s16[(gi * 8 + l) * 16 + n] =
-            static_cast<int32_t>(static_cast<uint16_t>(s[0]) | (static_cast<uint32_t>(static_cast<uint16_t>(s[1])) << 16));
-      }
+      int8_t* dst = t.b.data() + gi * 4096 + 4 * n;
+      for (int64_t k4 = 0; k4 < 64; ++k4) std::memcpy(dst + (k4 / 16) * 1024 + (k4 % 16) * 64, q + i * 256 + 4 * k4, 4);
+      const int32_t* s32 = a.s32row(m) + i * 8;
+      for (int p = 0; p < 4; ++p)
+        t.bs[(gi * 4 + p) * 16 + n] = static_cast<int32_t>(static_cast<uint16_t>(s32[2 * p]) |
+                                                           (static_cast<uint32_t>(static_cast<uint16_t>(s32[2 * p + 1])) << 16));
     }
   }
 }
 
-// Index vectors of the unpacking (built once).
+// Which scale each byte of a Q6_K chunk takes (built once): group 4j + p / 16.
 struct AmxIdx {
-  __m512i q45[2], q6[2], q6h[2], q5h[2];  // dword gathers: lanes 0-3 / 4-7
-  __m512i lo, hi;                 // low / high bytes of 2 x 32 words -> two lanes' 32-byte rows
-  __m512i s45l, s45h;             // scale of each word (Q4_K / Q5_K): from 8 scales
-  __m512i s6l[2], s6h[2];         // (Q6_K): from 16 scales, lanes 0-3 / 4-7
+  __m512i k6[4];
   AmxIdx() {
-    alignas(64) int32_t a[2][16], b[2][16], c[2][16], e[2][16];
-    for (int p = 0; p < 2; ++p)
-      for (int lp = 0; lp < 4; ++lp)
-        for (int m = 0; m < 4; ++m) {
-          const int l = 4 * p + lp;
-          a[p][4 * lp + m] = 8 * m + l;                        // qs dword of lane l, chunk m
-          b[p][4 * lp + m] = 16 * (m / 2) + 8 * (m % 2) + l;   // ql dword of lane l, (h, a) = m
-          c[p][4 * lp + m] = 8 * (m / 2) + l;                  // Q6_K qh dword
-          e[p][4 * lp + m] = l;                                // Q5_K qh dword
-        }
-    for (int p = 0; p < 2; ++p) {
-      q45[p] = _mm512_load_si512(a[p]);
-      q6[p] = _mm512_load_si512(b[p]);
-      q6h[p] = _mm512_load_si512(c[p]);
-      q5h[p] = _mm512_load_si512(e[p]);
-    }
-    alignas(64) int8_t lb[64], hb[64];
-    for (int r = 0; r < 64; ++r) {  // row of lane 2k + r / 32: words (r mod 32) of L then H
-      const int lane = r / 32, w = lane * 16 + (r % 16), src = (r % 32) < 16 ? 0 : 64;
-      lb[r] = static_cast<int8_t>(src + 2 * w);
-      hb[r] = static_cast<int8_t>(src + 2 * w + 1);
-    }
-    lo = _mm512_load_si512(lb);
-    hi = _mm512_load_si512(hb);
-    alignas(64) int16_t sl[32], sh[32], s6[2][2][32];
-    for (int w = 0; w < 32; ++w) {
-      const int m = (w % 16) / 4;
-      sl[w] = static_cast<int16_t>(2 * m);
-      sh[w] = static_cast<int16_t>(2 * m + 1);
-      for (int p = 0; p < 2; ++p) {  // group = 2 kk + (lane >= 4), kk = 4 (m / 2) + 2 half + m mod 2
-        s6[p][0][w] = static_cast<int16_t>(2 * (4 * (m / 2) + m % 2) + p);
-        s6[p][1][w] = static_cast<int16_t>(2 * (4 * (m / 2) + 2 + m % 2) + p);
-      }
-    }
-    s45l = _mm512_load_si512(sl);
-    s45h = _mm512_load_si512(sh);
-    for (int p = 0; p < 2; ++p) {
-      s6l[p] = _mm512_load_si512(s6[p][0]);
-      s6h[p] = _mm512_load_si512(s6[p][1]);
+    alignas(64) int8_t v[64];
+    for (int j = 0; j < 4; ++j) {
+      for (int p = 0; p < 64; ++p) v[p] = static_cast<int8_t>(4 * j + p / 16);
+      k6[j] = _mm512_load_si512(v);
     }
   }
 };
 
-// Lanes 4p-4p+3 of one block's weights, unpacked as (L, H) nibble vectors (lane per 128 bits, dword m,
-// byte t), scaled (words) and split into the low and high bytes of the lane rows at alo / ahi.
-inline void amx_scale_store(__m512i L, __m512i H, __m512i sl, __m512i sh, const AmxIdx& x, uint8_t* alo, uint8_t* ahi) {
-  for (int k = 0; k < 2; ++k) {  // lanes (2k, 2k + 1) of the four
-    const __m512i wl = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(k ? _mm512_extracti64x4_epi64(L, 1) : _mm512_castsi512_si256(L)), sl);
-    const __m512i wh = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(k ? _mm512_extracti64x4_epi64(H, 1) : _mm512_castsi512_si256(H)), sh);
-    _mm512_storeu_si512(alo + 64 * k, _mm512_permutex2var_epi8(wl, x.lo, wh));
-    _mm512_storeu_si512(ahi + 64 * k, _mm512_permutex2var_epi8(wl, x.hi, wh));
+// Q4_K / Q5_K: scale x weight for each 6-bit scale and 5-bit weight, as its low and its high byte (4 KB).
+struct AmxScaled {
+  alignas(64) uint8_t lo[64][32], hi[64][32];
+  AmxScaled() {
+    for (int sc = 0; sc < 64; ++sc)
+      for (int q = 0; q < 32; ++q) {
+        lo[sc][q] = static_cast<uint8_t>((sc * q) & 0xFF);
+        hi[sc][q] = static_cast<uint8_t>((sc * q) >> 8);
+      }
   }
+};
+
+constexpr int64_t kAmxChunk = 2 * 1024;  // a chunk's weight rows: low bytes, high bytes; 16 channels x 64
+
+// 64 weights q (unsigned bytes) times their positions' scales (picked from the bytes of sv by idx), as words,
+// stored as the row of their low bytes and the row of their high bytes; minus 32 x scale (Q6_K's offset).
+inline void amx_scaled_rows_q6(__m512i q, __m512i sv, __m512i idx, uint8_t* lo, uint8_t* hi) {
+  constexpr __mmask64 even = 0x5555555555555555ULL, odd = 0xAAAAAAAAAAAAAAAAULL;
+  const __m512i se = _mm512_maskz_permutexvar_epi8(even, idx, sv), so = _mm512_maskz_permutexvar_epi8(odd, idx, sv);
+  const __m512i k32 = _mm512_set1_epi8(32);
+  // word t: (w(2t) - 32) sc, (w(2t + 1) - 32) sc
+  const __m512i e = _mm512_sub_epi16(_mm512_maddubs_epi16(q, se), _mm512_maddubs_epi16(k32, se));
+  const __m512i o = _mm512_sub_epi16(_mm512_maddubs_epi16(q, so), _mm512_maddubs_epi16(k32, so));
+  // low bytes (e & 0xff) | (o << 8), high bytes (e >> 8) | (o & 0xff00): ternary logic 0xEA is (A & B) | C
+  _mm512_store_si512(lo, _mm512_ternarylogic_epi32(e, _mm512_set1_epi16(0x00FF), _mm512_slli_epi16(o, 8), 0xEA));
+  _mm512_store_si512(hi, _mm512_ternarylogic_epi32(o, _mm512_set1_epi16(static_cast<int16_t>(0xFF00)),
+                                                   _mm512_srli_epi16(e, 8), 0xEA));
 }
 
-// One channel's block -> its 8 lane rows (alo / ahi: 256 bytes each), and its scales.
+// One channel's block -> its rows of the 4 chunks (at rows + j * kAmxChunk), its scales and its mins (as the
+// i16 pairs of sub-blocks 2t, 2t + 1). Scale x weight comes from AmxScaled: one byte permutation picks, for
+// the 64 positions of a chunk, from the rows of its two sub-blocks' scales.
 template <bool Q5>
-inline void amx_weights_k45(const uint8_t* b, const AmxIdx& x, uint8_t* alo, uint8_t* ahi, float* d, float* dmin, uint64_t* mn) {
+inline void amx_weights_k45(const uint8_t* b, uint8_t* rows, float* d, float* dmin, int32_t* mins) {
+  static const AmxScaled lut;
   *d = fp16(b);
   *dmin = fp16(b + 2);
-  uint64_t sc;
-  k_scales_mins(b + 4, &sc, mn);
-  const __m512i scw = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(static_cast<long long>(sc))));
-  const __m512i sl = _mm512_permutexvar_epi16(x.s45l, scw), sh = _mm512_permutexvar_epi16(x.s45h, scw);
+  uint64_t sc, mn;
+  k_scales_mins(b + 4, &sc, &mn);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(mins), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn))));
   const uint8_t* qs = b + (Q5 ? 48 : 16);
-  const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
-  const __m512i m0f = _mm512_set1_epi8(0x0F);
-  for (int p = 0; p < 2; ++p) {
-    const __m512i P = _mm512_permutex2var_epi32(z0, x.q45[p], z1);
-    __m512i L = _mm512_and_si512(P, m0f), H = _mm512_and_si512(_mm512_srli_epi16(P, 4), m0f);
-    if (Q5) {  // bit 2m (L) / 2m + 1 (H) of qh byte 4 l + t
-      const __m512i qhp = _mm512_permutexvar_epi32(x.q5h[p], _mm512_castsi256_si512(load(b + 16)));  // qh dword l at (l, m)
-      const __m512i cnt = _mm512_set_epi16(6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0);
-      const __m512i one = _mm512_set1_epi8(1);
-      L = _mm512_or_si512(L, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qhp, cnt), one), 4));
-      H = _mm512_or_si512(H, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qhp, _mm512_add_epi16(cnt, _mm512_set1_epi16(1))), one), 4));
-    }
-    amx_scale_store(L, H, sl, sh, x, alo + 128 * p, ahi + 128 * p);
+  const __m512i m0f = _mm512_set1_epi8(0x0F), sh04 = shifts(0, 4);
+  const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi8(0x40), 1);  // index of table b
+  const __m512i hb = Q5 ? bcast256(load(b + 16)) : _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    // byte p: position 64 j + p (low nibbles of 32 bytes, then their high nibbles), plus 64 from p = 32 on
+    __m512i hi5 = second;
+    if (Q5) hi5 = _mm512_or_si512(hi5, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, shifts(2 * j, 2 * j + 1)), _mm512_set1_epi8(1)), 4));
+    const __m512i q = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(bcast256(load(qs + 32 * j)), sh04), m0f, hi5, 0xEA);
+    const int s0 = byte_of(sc, 2 * j), s1 = byte_of(sc, 2 * j + 1);
+    uint8_t* at = rows + j * kAmxChunk;
+    _mm512_store_si512(at, _mm512_permutex2var_epi8(_mm512_castsi256_si512(load(lut.lo[s0])), q, _mm512_castsi256_si512(load(lut.lo[s1]))));
+    _mm512_store_si512(at + 1024, _mm512_permutex2var_epi8(_mm512_castsi256_si512(load(lut.hi[s0])), q, _mm512_castsi256_si512(load(lut.hi[s1]))));
   }
 }
 
-inline void amx_weights_q6k(const uint8_t* b, const AmxIdx& x, uint8_t* alo, uint8_t* ahi, float* d) {
+inline void amx_weights_q6k(const uint8_t* b, const AmxIdx& x, uint8_t* rows, float* d) {
   *d = fp16(b + 208);
-  const __m512i scw = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
-  const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64), qh = _mm512_loadu_si512(b + 128);
+  const __m512i sv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
   const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
-  // shift of the 2 high bits: L (s = m mod 2) 2 s, H (s = 2 + m mod 2) 2 s; per word of dword m
-  const __m512i cl = _mm512_set_epi16(2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0);
-  const __m512i ch = _mm512_add_epi16(cl, _mm512_set1_epi16(4));
-  for (int p = 0; p < 2; ++p) {
-    const __m512i P = _mm512_permutex2var_epi32(z0, x.q6[p], z1);
-    const __m512i Q = _mm512_permutexvar_epi32(x.q6h[p], qh);
-    const __m512i L = _mm512_or_si512(_mm512_and_si512(P, m0f), _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(Q, cl), m3), 4));
-    const __m512i H = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(P, 4), m0f),
-                                      _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(Q, ch), m3), 4));
-    amx_scale_store(L, H, _mm512_permutexvar_epi16(x.s6l[p], scw), _mm512_permutexvar_epi16(x.s6h[p], scw), x,
-                    alo + 128 * p, ahi + 128 * p);
+  const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l = _mm512_loadu_si512(b + 64 * h);  // low nibbles: positions 128 h + [0, 64), high: + 64
+    const __m512i hb = bcast256(load(b + 128 + 32 * h));
+    const __m512i q0 = _mm512_or_si512(_mm512_and_si512(l, m0f),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh02), m3), 4));
+    const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh46), m3), 4));
+    uint8_t* at = rows + 2 * h * kAmxChunk;
+    amx_scaled_rows_q6(q0, sv, x.k6[2 * h], at, at + 1024);
+    amx_scaled_rows_q6(q1, sv, x.k6[2 * h + 1], at + kAmxChunk, at + kAmxChunk + 1024);
   }
 }
 
-// The fp32 steps of lane l for 16 channels x 16 rows, from its tile sums (lo, hi: [16 channels][16 rows]);
-// ml[c]: channel c's multiplier of the lane's activation sums s (Q4_K / Q5_K: its min; Q6_K: its two
-// scales as an i16 pair).
-template <bool Q6>
-inline void amx_lane_steps(const int32_t* lo, const int32_t* hi, const __m512i s, const int32_t* ml,
-                           const __m512* sd, const __m512* sm, __m512* f) {
+// Block i of 16 channels (rows of w) -> the tiles' weight rows A, d, dmin and mins[channel][4]. The weights are
+// read block by block across the 16 rows, so reading ahead in address order would not reach them in time:
+// instead each block's unpacking asks for its share (1 / nb) of the next 16 channels' rows, into L2.
+template <int64_t T>
+inline void amx_unpack(const uint8_t* w, int64_t row_bytes, int64_t i, const AmxIdx& x, uint8_t* A, float* d,
+                       float* dmin, int32_t* mins) {
+  const uint8_t* next = w + 16 * row_bytes + i * 16 * block_bytes(T);
+  for (int64_t l = 0; l < 16 * block_bytes(T); l += 64) __builtin_prefetch(next + l, 0, 2);
   for (int c = 0; c < 16; ++c) {
-    const __m512i v = _mm512_add_epi32(_mm512_load_si512(lo + 16 * c), _mm512_slli_epi32(_mm512_load_si512(hi + 16 * c), 8));
-    const __m512i ms = _mm512_madd_epi16(s, _mm512_set1_epi32(ml[c]));
-    if (Q6) {  // the -32 offset, as the vector kernels add it
-      f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_slli_epi32(ms, 5))), sd[c], f[c]);
-    } else {
-      f[c] = _mm512_add_ps(f[c], _mm512_fmsub_ps(_mm512_cvtepi32_ps(v), sd[c], _mm512_mul_ps(_mm512_cvtepi32_ps(ms), sm[c])));
-    }
+    const uint8_t* b = w + c * row_bytes + i * block_bytes(T);
+    if (T == kQ6_K) amx_weights_q6k(b, x, A + 64 * c, &d[c]);
+    else amx_weights_k45<T == kQ5_K>(b, A + 64 * c, &d[c], &dmin[c], mins + 4 * c);
   }
 }
 
 // Channels [0, nch) (a multiple of 16) of weight rows w, all M rows: out(m0, rows, c0, v) gives the values of
-// rows m0.. (rows of them) x channels c0..c0 + 15 as v[16 x channel + row]. Per 16
-// channels: every block unpacked first (each weight row read front to back), then block by block, row
-// group by row group, the 8 lane products (two sets of sum tiles, so that one lane's fp32 steps overlap
-// the next lane's product).
+// rows m0.. (rows of them) x channels c0..c0 + 15 as v[16 x channel + row]. Per 16 channels, a pipeline over
+// the (block, row group) items: the products of an item are issued and their sums stored, then the item
+// before is stepped and the block two ahead unpacked, so that neither the tile loads nor the fp32 steps wait
+// on stores just made (a tile load cannot take bytes from stores in flight, nor a vector load from a tile
+// store). Mn (Q4_K / Q5_K) is computed with the fp32 steps, from the rows' sub-block sums.
 template <int64_t T, typename Out>
 void amx_channels(const uint8_t* w, int64_t row_bytes, int64_t nch, const AmxActs& aa, int64_t M, Out&& out) {
   static const AmxIdx x;
   constexpr bool q6 = T == kQ6_K;
-  const int64_t nb = aa.nb, G = (M + 15) / 16;
-  const int8_t* bacts = q6 ? aa.b6.data() : aa.b45.data();
-  std::vector<__m512i> abuf(nb * 2 * 16 * 256 / 64);  // [i][lo, hi][16 channels][256 bytes]
-  std::vector<float> d(nb * 16), dmin(nb * 16);
-  std::vector<uint64_t> mn(nb * 16);
-  std::vector<int32_t> ml(nb * 8 * 16);  // [i][lane][channel]: the multiplier of amx_lane_steps
-  alignas(64) int32_t cbuf[2][2][256];  // [lane parity][lo, hi][16 channels x 16 rows]
-  std::vector<__m512> F(G * 8 * 16);
+  const int64_t nb = aa.nb, G = (M + 15) / 16, items = nb * G;
+  alignas(64) uint8_t A[3][4 * kAmxChunk];  // [block mod 3][chunk][low, high][16 channels][64]
+  alignas(64) int32_t C[2][2][256];         // [item parity][low, high][16 channels][16 rows]
+  alignas(64) float d[3][16], dmin[3][16];
+  alignas(64) int32_t mins[3][64];          // [block mod 3][channel][4 pairs]
+  std::vector<__m512> F(G * 16);
+  auto step = [&](int64_t t) {  // the fp32 steps of item t = (block i, group g), from its stored sums
+    const int64_t i = t / G, g = t % G, gi = g * nb + i;
+    const int32_t* lo = C[t % 2][0];
+    const int32_t* hi = C[t % 2][1];
+    const __m512 dx = _mm512_loadu_ps(&aa.d[gi * 16]);
+    const float* di = d[i % 3];
+    const float* dmi = dmin[i % 3];
+    const int32_t* mi = mins[i % 3];
+    __m512i bs[4];
+    if (!q6)
+      for (int p = 0; p < 4; ++p) bs[p] = _mm512_loadu_si512(&aa.bs[(gi * 4 + p) * 16]);
+    __m512* f = &F[g * 16];
+    for (int c = 0; c < 16; ++c) {
+      const __m512i S = _mm512_add_epi32(_mm512_load_si512(lo + 16 * c), _mm512_slli_epi32(_mm512_load_si512(hi + 16 * c), 8));
+      const __m512 sa = _mm512_mul_ps(dx, _mm512_set1_ps(di[c]));
+      if (q6) {
+        f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), sa, f[c]);
+      } else {
+        const __m512i mn = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_madd_epi16(bs[0], _mm512_set1_epi32(mi[4 * c])), _mm512_madd_epi16(bs[1], _mm512_set1_epi32(mi[4 * c + 1]))),
+            _mm512_add_epi32(_mm512_madd_epi16(bs[2], _mm512_set1_epi32(mi[4 * c + 2])), _mm512_madd_epi16(bs[3], _mm512_set1_epi32(mi[4 * c + 3]))));
+        const __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(dx, _mm512_set1_ps(dmi[c])));
+        f[c] = _mm512_add_ps(f[c], _mm512_fmsub_ps(_mm512_cvtepi32_ps(S), sa, m));
+      }
+    }
+  };
   for (int64_t c0 = 0; c0 < nch; c0 += 16) {
-    uint8_t* A = reinterpret_cast<uint8_t*>(abuf.data());
-    for (int c = 0; c < 16; ++c)
-      for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* b = w + (c0 + c) * row_bytes + i * block_bytes(T);
-        prefetch_ahead(b, block_bytes(T));
-        uint8_t* lo = A + (i * 2 * 16 + c) * 256;
-        if (q6) amx_weights_q6k(b, x, lo, lo + 16 * 256, &d[i * 16 + c]);
-        else amx_weights_k45<T == kQ5_K>(b, x, lo, lo + 16 * 256, &d[i * 16 + c], &dmin[i * 16 + c], &mn[i * 16 + c]);
-        for (int l = 0; l < 8; ++l) {
-          int32_t v;
-          if (q6) {
-            const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-            v = static_cast<int32_t>(static_cast<uint16_t>(sc[2 * l]) | (static_cast<uint32_t>(static_cast<uint16_t>(sc[2 * l + 1])) << 16));
-          } else {
-            v = byte_of(mn[i * 16 + c], l);
-          }
-          ml[(i * 8 + l) * 16 + c] = v;
-        }
-      }
+    const uint8_t* wc = w + c0 * row_bytes;
     std::fill(F.begin(), F.end(), _mm512_setzero_ps());
-    for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* alo = A + i * 2 * 16 * 256;
-      const uint8_t* ahi = alo + 16 * 256;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t gi = g * nb + i;
-        const __m512 dx = _mm512_loadu_ps(&aa.d[gi * 16]);
-        __m512 sd[16], sm[16];
-        for (int c = 0; c < 16; ++c) {
-          sd[c] = _mm512_mul_ps(dx, _mm512_set1_ps(d[i * 16 + c]));
-          sm[c] = q6 ? sd[c] : _mm512_mul_ps(dx, _mm512_set1_ps(dmin[i * 16 + c]));
-        }
-        const int32_t* sums = q6 ? aa.s16.data() : aa.s32.data();
-        for (int l = 0; l <= 8; ++l) {
-          if (l < 8) {
-            const int8_t* bl = bacts + (gi * 8 + l) * 512;
-            _tile_loadd(2, alo + 32 * l, 256);
-            _tile_loadd(3, ahi + 32 * l, 256);
-            _tile_loadd(4, bl, 64);
-            if (l % 2 == 0) {  // (tile numbers must be literals in the intrinsics: the two sets spelled out)
-              _tile_zero(0);
-              _tile_zero(1);
-              _tile_dpbusd(0, 2, 4);
-              if (q6) _tile_dpbssd(1, 3, 4);
-              else _tile_dpbusd(1, 3, 4);
-              _tile_stored(0, cbuf[0][0], 64);
-              _tile_stored(1, cbuf[0][1], 64);
-            } else {
-              _tile_zero(5);
-              _tile_zero(6);
-              _tile_dpbusd(5, 2, 4);
-              if (q6) _tile_dpbssd(6, 3, 4);
-              else _tile_dpbusd(6, 3, 4);
-              _tile_stored(5, cbuf[1][0], 64);
-              _tile_stored(6, cbuf[1][1], 64);
-            }
-          }
-          if (l > 0) {  // the previous lane's fp32 steps
-            const int k = l - 1;
-            const __m512i sv = _mm512_loadu_si512(&sums[(gi * 8 + k) * 16]);
-            amx_lane_steps<q6>(cbuf[k % 2][0], cbuf[k % 2][1], sv, &ml[(i * 8 + k) * 16], sd, sm, &F[(g * 8 + k) * 16]);
-          }
-        }
+    for (int64_t i = 0; i < std::min<int64_t>(2, nb); ++i) amx_unpack<T>(wc, row_bytes, i, x, A[i], d[i], dmin[i], mins[i]);
+    for (int64_t t = 0; t < items; ++t) {
+      const int64_t i = t / G, g = t % G;
+      const uint8_t* Ai = A[i % 3];
+      const int8_t* B = aa.b.data() + (g * nb + i) * 4096;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int j = 0; j < 4; ++j) {
+        _tile_loadd(6, B + 1024 * j, 64);
+        _tile_loadd(4, Ai + j * kAmxChunk, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_loadd(5, Ai + j * kAmxChunk + 1024, 64);
+        if (q6) _tile_dpbssd(1, 5, 6);
+        else _tile_dpbusd(1, 5, 6);
+      }
+      _tile_stored(0, C[t % 2][0], 64);
+      _tile_stored(1, C[t % 2][1], 64);
+      if (t > 0) step(t - 1);
+      if (g == 0 && i + 2 < nb) {
+        const int64_t k = (i + 2) % 3;
+        amx_unpack<T>(wc, row_bytes, i + 2, x, A[k], d[k], dmin[k], mins[k]);
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      alignas(64) float v[16 * 16];  // [channel][row]
-      for (int c = 0; c < 16; ++c) {
-        const __m512* f = &F[g * 8 * 16 + c];  // lane l at f[16 l]; summed as the vector kernels' hsum
-        _mm512_store_ps(v + 16 * c, _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[64]), _mm512_add_ps(f[32], f[96])),
-                                                  _mm512_add_ps(_mm512_add_ps(f[16], f[80]), _mm512_add_ps(f[48], f[112]))));
-      }
-      out(g * 16, std::min<int64_t>(16, M - g * 16), c0, v);
-    }
+    step(items - 1);
+    for (int64_t g = 0; g < G; ++g) out(g * 16, std::min<int64_t>(16, M - g * 16), c0, reinterpret_cast<const float*>(&F[g * 16]));
   }
 }
 #endif
@@ -1097,11 +1209,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   // many rows on k-quants: the tile unit (the same bits as the vector kernels)
   const bool amx = need256 && M >= kAmxMinRows && amx_ok();
   AmxActs aa;
-  if (amx) {
-    bool q45 = false, q6 = false;
-    for (int64_t t : types) (t == kQ6_K ? q6 : q45) |= is_k_quant(t);
-    amx_acts(a256, M, q45, q6, aa);
-  }
+  if (amx) amx_acts(a256, M, aa);
 #endif
 
   // Tiles of channels, claimed dynamically (a descheduled thread does not hold up the call), about four a
