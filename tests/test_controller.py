@@ -322,6 +322,23 @@ def test_sequences_whose_prompt_the_draft_read_have_their_own_acceptance():
     assert not ctl.draft_reads_prompt([], 1, 100, 64)
 
 
+
+def test_a_drafters_first_forward_at_a_batch_size_is_not_taken_as_its_cost():
+    """The first draft forward pays one-off costs (a draft model's weights paged in): measured at 0.9 of a
+    target pass against 0.45 after, it had kept the adaptive draft model off for good. It is left out, so the
+    controller probes once more and decides on the second measure."""
+    ctl = SpeculationController(4, adaptive=True)
+    est = ctl.new_estimate(read_prompt=True)
+    for _ in range(3):
+        ctl.report(StepReport(1, 0, None, 1, 1.0, []))  # plain passes: one row costs 1.0
+    assert ctl.choose([est], [64], [512]) == [1] and ctl.policy.probing  # nothing measured: probe
+    ctl.report(StepReport(1, 1, 0.9, 2, 1.05, [(est, 1, 1)]))  # the cold first forward
+    assert ctl.costs.draft_time(1) is None
+    assert ctl.choose([est], [64], [512]) == [1] and ctl.policy.probing  # probe again
+    ctl.report(StepReport(1, 1, 0.2, 2, 1.05, [(est, 1, 1)]))
+    assert ctl.costs.draft_time(1) == pytest.approx(0.2)
+    assert ctl.choose([est], [64], [512])[0] > 1  # it pays: speculation on
+
 # ------------------------------------------------------------------------------------------- labelled drafts
 def test_a_line_fitted_to_every_pass():
     fit = LineFit()

@@ -96,11 +96,30 @@ def test_rows_are_invariant_to_batch_position_and_threads(qtype):
 def test_every_build_gives_the_same_bits(qtype):
     K, N = 768 if qtype in (12, 13, 14) else 800, 24  # 25 blocks of 32: groups of 8, a pair and an odd one
     w = random_blocks(qtype, N, K, seed=2)
-    for M in (11, 40):  # 40: 16-row groups of k-quants on the AMX tiles, where the CPU has them
+    for M in (1, 2, 5, 11, 40):  # 1-2: channel pairs; 5, 11: rows side by side; 40: AMX tiles, where the CPU has them
         x = torch.randn(M, K)
         outs = [qgemm.qmm(x, [w], [qtype], isa=isa) for isa in ISAS]
         assert len(outs) >= 2  # at least the portable build and one vector build
         assert all(torch.equal(outs[0], o) for o in outs[1:]), (M, ISAS)
+
+
+def test_every_build_quantizes_activations_to_the_same_bytes_even_at_special_values():
+    K = 512
+    x = torch.randn(6, K) * 3
+    x[0] = 0.0  # a zero block
+    x[1, 5] = float("inf")
+    x[2, 300] = float("nan")  # skipped by the block's maximum, quantized to -127
+    x[3] = torch.arange(K) * 0.5 - 128  # ties at .5 after scaling: round half to even
+    x[4, :256] = 1e-40  # subnormals
+    x[5, 7] = -3e38
+    for bs in (32, 256):
+        outs = [qgemm.ops(isa).quantize_acts(x, bs) for isa in ISAS]
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):  # quants, sums of 16, scales: byte for byte
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (bs, ISAS)
+        q, _, d = outs[0]
+        assert q[2].view(-1, bs)[300 // bs, 300 % bs] == -127 and torch.isfinite(d[2]).all()
+        assert q[0].abs().sum() == 0 and (d[0] == 0).all()
 
 
 def test_segments_and_bias_equal_separate_products():

@@ -2,13 +2,13 @@
 
 One build per instruction set, picked from the CPU's flags at run time:
 
-- `avx512amx`: the `avx512vnni` kernels, and passes of 6 rows or more on k-quant weights multiplied on the
+- `avx512amx`: the `avx512vnni` kernels, and passes of 12 rows or more on k-quant weights multiplied on the
   AMX tile unit (Sapphire Rapids and later; used when the compiler knows AMX and the OS allows it);
 - `avx512vnni`: AVX-512 BW/VNNI on 512-bit vectors, 8 rows per weight pass;
 - `avx2`: AVX2 + FMA (the baseline of x86 CPUs since 2013), 4 rows per weight pass;
-- `generic`: portable C++ that computes the same integer lanes in scalar code (correct, slower).
+- `generic`: portable C++ that computes the same integers and fp32 steps in scalar code (correct, slower).
 
-All of them give the same bits (the integer lanes are exact and the fp32 steps are the same), and in each
+All of them give the same bits (the integers are exact and the fp32 steps are the same), and in each
 the bits of an output row do not depend on the other rows, their number, or the thread count.
 `SPECDEC_QGEMM_ISA` forces a build (tests use it to compare them).
 
