@@ -141,6 +141,9 @@ def test_the_controller_learns_costs_and_acceptance_from_step_reports():
     controller = SpeculationController(4, adaptive=True)
     estimate = controller.new_estimate()
     assert controller.choose([estimate], [100], [1000]) == [1]  # nothing measured: a probe
+    controller.report(StepReport(batch_size=1, k=1, forward_seconds=0.5, rows=2, verify_seconds=1.05,
+                                 outcomes=[(estimate, 1, 1)]))
+    assert controller.costs.draft_time(1) is None  # the drafter's first forward at this size: a warm-up
     controller.report(StepReport(batch_size=1, k=1, forward_seconds=0.01, rows=2, verify_seconds=1.05,
                                  outcomes=[(estimate, 1, 1)]))
     controller.report(StepReport(batch_size=1, k=0, forward_seconds=None, rows=1, verify_seconds=1.0,
