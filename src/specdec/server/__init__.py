@@ -8,7 +8,18 @@
     cli.py            `add_serve_arguments` / `run_serve`: the command line
 """
 
-from specdec.server.app import build_app
-from specdec.server.async_engine import AsyncEngine
+DEFAULT_CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens (vLLM: the rest of the context; bounded here)
 
 __all__ = ["AsyncEngine", "build_app"]
+
+
+def __getattr__(name: str):
+    """`build_app` and `AsyncEngine` imported on first use, so that `specdec generate` (whose parser holds
+    the serve flags) does not import FastAPI, uvicorn and pydantic: about a second of its start."""
+    if name == "build_app":
+        from specdec.server.app import build_app
+        return build_app
+    if name == "AsyncEngine":
+        from specdec.server.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(f"module 'specdec.server' has no attribute {name!r}")

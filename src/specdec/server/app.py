@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specdec.config import SamplingParams
 from specdec.outputs import RequestOutput
 from specdec.sampling import fan_out, pick_best
+from specdec.server import DEFAULT_CHAT_MAX_TOKENS
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
@@ -43,7 +44,6 @@ from specdec.structured import Grammar
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-DEFAULT_CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens (vLLM: the rest of the context; bounded here)
 QUEUE_FULL_RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue: a hint, the queue moves each step
 
 

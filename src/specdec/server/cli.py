@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 from specdec.llm_args import add_llm_arguments, build_llm, positive_int
-from specdec.server.app import DEFAULT_CHAT_MAX_TOKENS
+from specdec.server import DEFAULT_CHAT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 # bounded by default, for a CPU deployment: requests queued for a batch slot, and open connections (uvicorn's
