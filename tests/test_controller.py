@@ -322,7 +322,6 @@ def test_sequences_whose_prompt_the_draft_read_have_their_own_acceptance():
     assert not ctl.draft_reads_prompt([], 1, 100, 64)
 
 
-
 def test_a_drafters_first_forward_at_a_batch_size_is_not_taken_as_its_cost():
     """The first draft forward pays one-off costs (a draft model's weights paged in): measured at 0.9 of a
     target pass against 0.45 after, it had kept the adaptive draft model off for good. It is left out, so the
@@ -338,6 +337,7 @@ def test_a_drafters_first_forward_at_a_batch_size_is_not_taken_as_its_cost():
     ctl.report(StepReport(1, 1, 0.2, 2, 1.05, [(est, 1, 1)]))
     assert ctl.costs.draft_time(1) == pytest.approx(0.2)
     assert ctl.choose([est], [64], [512])[0] > 1  # it pays: speculation on
+
 
 # ------------------------------------------------------------------------------------------- labelled drafts
 def test_a_line_fitted_to_every_pass():

@@ -258,6 +258,12 @@ inline float step45(float f, int32_t S, int32_t Mn, float dx, float d, float dmi
 }
 inline float step6(float f, int32_t S, float dx, float d) { return std::fma(static_cast<float>(S), dx * d, f); }
 
+// Two sub-block sums (each fits 16 bits) as one int32: lo in the low half, hi in the high half, the layout
+// `madd_epi16` / the tiles read them in.
+inline int32_t pack_i16x2(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>(static_cast<uint16_t>(lo) | (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+}
+
 // ---- quantized activations ----------------------------------------------------------------------
 
 struct Acts {
@@ -406,8 +412,7 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
         a.dT[i * M + m] = a.d[m * nb + i];
         const int32_t* s32 = a.s32.data() + m * (K / 32) + 8 * i;
         for (int t = 0; t < 4; ++t)
-          a.bsT[(i * 4 + t) * M + m] = static_cast<int32_t>(static_cast<uint16_t>(s32[2 * t]) |
-                                                           (static_cast<uint32_t>(static_cast<uint16_t>(s32[2 * t + 1])) << 16));
+          a.bsT[(i * 4 + t) * M + m] = pack_i16x2(s32[2 * t], s32[2 * t + 1]);
       }
   }
 }
@@ -552,9 +557,6 @@ void dot_q32(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out
 // instructions per row.
 #define SPECDEC_Z512 1
 inline __m512i bcast256(VI v) { return _mm512_broadcast_i64x4(v); }
-inline VI halves_sum(__m512i v) {  // lanes 0-7 + lanes 8-15
-  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
 // acc + madd(p, s): fused (VNNI) when rows are many enough to hide its latency, else madd + add (one
 // cycle on the loop-carried chain of a single row); the same integers either way.
 template <int R>
@@ -986,8 +988,7 @@ void amx_acts(const Acts& a, int64_t M, AmxActs& t) {
       for (int64_t k4 = 0; k4 < 64; ++k4) std::memcpy(dst + (k4 / 16) * 1024 + (k4 % 16) * 64, q + i * 256 + 4 * k4, 4);
       const int32_t* s32 = a.s32row(m) + i * 8;
       for (int p = 0; p < 4; ++p)
-        t.bs[(gi * 4 + p) * 16 + n] = static_cast<int32_t>(static_cast<uint16_t>(s32[2 * p]) |
-                                                           (static_cast<uint32_t>(static_cast<uint16_t>(s32[2 * p + 1])) << 16));
+        t.bs[(gi * 4 + p) * 16 + n] = pack_i16x2(s32[2 * p], s32[2 * p + 1]);
     }
   }
 }
@@ -1166,9 +1167,6 @@ void amx_channels(const uint8_t* w, int64_t row_bytes, int64_t nch, const AmxAct
   }
 }
 #endif
-
-template <typename OutT>
-void store_out(OutT* y, float v) { *y = static_cast<OutT>(v); }
 
 // y = x @ concat(W_0, W_1, ...).T + bias: the segments share the activations' quantization.
 at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> types, c10::optional<at::Tensor> bias) {
