@@ -5,6 +5,7 @@ reproducible and batch-independent."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import pytest
@@ -16,6 +17,7 @@ from specdec.engine import Engine
 from specdec.heads.modules import load_heads
 from specdec.training import TrainConfig, train_heads
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
+from specdec.speculative.controller import ByKind
 from specdec.speculative.tree import DynamicTree, TreeShape
 from test_engine_tiny import PROMPTS, run
 from test_heads import ByteTokenizer
@@ -68,7 +70,7 @@ def trained(tmp_path_factory):
 
 
 def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_size: int = 1,
-                max_len: int = MAX_LEN) -> Engine:
+                max_len: int = MAX_LEN, adaptive: bool = False) -> Engine:
     model = target(dtype_name)
     head = load_heads(trained(method), model, method)
     if isinstance(tree, DynamicTree) or tree is None:
@@ -81,7 +83,7 @@ def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_s
     else:
         proposer = EagleProposer(head, vocab, max_batch_size, max_len, shape, max_depth=k)
     return Engine(model, FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=max_len,
-                  max_batch_size=max_batch_size)
+                  max_batch_size=max_batch_size, adaptive=adaptive)
 
 
 def plain(dtype_name: str, prompt, params=GREEDY, max_len: int = MAX_LEN):
@@ -191,3 +193,70 @@ def test_processed_logits_over_tree_drafts_equal_plain(trained, method, tree, na
     assert accepted > 0
     assert any(plain("fp32", prompt, params) != plain("fp32", prompt) for prompt in PROMPTS), \
         "the parameters change the output"
+
+
+class FixedHeads:
+    """Medusa heads whose reduced logits are fixed: rows of log-probabilities, one per head."""
+
+    def __init__(self, probs: list[list[float]]) -> None:
+        self.logits = torch.tensor(probs).log()
+        self.config = type("Config", (), {"num_heads": len(probs)})()
+        self.vocab_ids = torch.arange(self.logits.shape[1])
+
+    def __call__(self, state: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+    def expand(self, reduced: torch.Tensor, vocab: int) -> torch.Tensor:
+        return reduced.new_full((*reduced.shape[:-1], vocab), float("-inf")).index_copy_(-1, self.vocab_ids, reduced)
+
+
+@dataclass
+class HeadSeq:
+    draft_state: torch.Tensor = field(default_factory=lambda: torch.zeros(4))
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0))
+
+
+def test_a_head_chain_labels_each_token_by_its_depth_and_how_sure_the_head_is():
+    heads = FixedHeads([[0.95, 0.05, 0.0, 0.0], [0.1, 0.6, 0.3, 0.0], [0.35, 0.3, 0.2, 0.15]])
+    chain = MedusaProposer(heads, 8, None, max_depth=3)
+    assert chain.guess_kinds == 3 * 6
+    draft = chain.draft([HeadSeq()], [3])[0]
+    # 0.95 at depth 0: above 0.9 (sureness 5); 0.6 at depth 1: in [0.5, 0.75) (3); 0.35 at depth 2: in [0.25, 0.5) (2)
+    assert draft.tokens == [0, 1, 0] and draft.kinds == [0 * 6 + 5, 1 * 6 + 3, 2 * 6 + 2]
+    assert chain.draft([HeadSeq()], [2])[0].kinds == [5, 9]
+    tree = MedusaProposer(heads, 8, default_tree(3), max_depth=3)
+    assert tree.guess_kinds == 0 and tree.draft([HeadSeq()], [3])[0].kinds is None
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_adaptive_head_chains_are_cut_by_kind_of_guess_and_stay_exact(trained, method):
+    """Adaptive heads: the controller learns each kind's acceptance from the labelled chains and cuts each
+    step's draft to the width that pays (`ByKind`); the output is still plain decoding's, token for token."""
+    engine = make_engine(trained, method, "fp32", 3, None, adaptive=True)
+    assert isinstance(engine.controller.policy, ByKind)
+    proposed, verified = [], []
+    propose, cut = engine.proposer.propose, engine.controller.cut
+
+    def spy_propose(seqs, ks):
+        proposal = propose(seqs, ks)
+        proposed.extend(proposal.drafts)
+        return proposal
+
+    def spy_cut(drafts, estimates):
+        out = cut(drafts, estimates)
+        verified.extend(out)
+        return out
+
+    engine.proposer.propose, engine.controller.cut = spy_propose, spy_cut
+    accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        out = run(engine, [(f"r{i}", prompt, GREEDY)])[f"r{i}"]
+        assert out.token_ids == plain("fp32", prompt), (method, i)
+        accepted += out.metrics.num_accepted_tokens
+    assert accepted > 0
+    labelled = [d for d in proposed if d.tokens]
+    assert labelled and all(d.kinds is not None and [k // 6 for k in d.kinds] == list(range(len(d.tokens)))
+                            for d in labelled)
+    for d, v in zip(proposed, verified):  # what is verified is a prefix of what was drafted, kinds and all
+        assert v.tokens == d.tokens[:len(v.tokens)] and (not v.tokens or v.kinds == d.kinds[:len(v.tokens)])
+    assert sum(engine.controller.policy.rates.tried) > 0  # the kinds' rates were learned from the verdicts

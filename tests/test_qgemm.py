@@ -103,6 +103,46 @@ def test_every_build_gives_the_same_bits(qtype):
         assert all(torch.equal(outs[0], o) for o in outs[1:]), (M, ISAS)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
+def test_two_channel_and_one_channel_kernels_give_the_same_bits(qtype):
+    """The 512-bit builds read two weight channels at a time for one or two rows where that was measured
+    faster (`set_pair_rows`); every choice gives the portable build's bits."""
+    wide = [isa for isa in ISAS if isa.startswith("avx512")]
+    if not wide:
+        pytest.skip("no AVX-512 build runs on this CPU")
+    K, N = 768 if qtype in (12, 13, 14) else 800, 25  # an odd channel count: a last channel alone
+    w = random_blocks(qtype, N, K, seed=3)
+    xs = {M: torch.randn(M, K) for M in (1, 2, 3)}
+    want = {M: qgemm.qmm(x, [w], [qtype], isa="generic") for M, x in xs.items()}
+    for isa in wide:
+        lib, chosen = qgemm.ops(isa), qgemm.ops(isa).pair_rows()
+        try:
+            for mask in range(4):
+                lib.set_pair_rows(mask)
+                assert lib.pair_rows() == mask
+                for M, x in xs.items():
+                    assert torch.equal(qgemm.qmm(x, [w], [qtype], isa=isa), want[M]), (isa, mask, M)
+        finally:
+            lib.set_pair_rows(chosen)
+
+
+def test_the_two_channel_choice_is_measured_or_set_by_the_environment(monkeypatch):
+    if not any(isa.startswith("avx512") for isa in ISAS):
+        pytest.skip("no AVX-512 build runs on this CPU")
+    lib = qgemm.ops("avx512vnni")
+    chosen = lib.pair_rows()
+    try:
+        monkeypatch.setenv("SPECDEC_QGEMM_PAIRS", "2")
+        assert qgemm._pair_rows(lib) == 2
+        monkeypatch.setenv("SPECDEC_QGEMM_PAIRS", "4")
+        with pytest.raises(ValueError, match="SPECDEC_QGEMM_PAIRS"):
+            qgemm._pair_rows(lib)
+        monkeypatch.delenv("SPECDEC_QGEMM_PAIRS")
+        qgemm._pair_rows(lib, trials=1)  # without it: measured, both kinds of kernel run
+    finally:
+        lib.set_pair_rows(chosen)
+
+
 def test_every_build_quantizes_activations_to_the_same_bytes_even_at_special_values():
     K = 512
     x = torch.randn(6, K) * 3

@@ -613,7 +613,7 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
   float f[C][R];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) f[c][r] = 0.f;
-  VF fr = fzero();  // C = 1, R >= 3: the rows' values side by side
+  VF fr = fzero();  // C = 1: the rows' values side by side
   for (int64_t i = 0; i < nb; ++i) {
     float d[C], dmin[C];
     uint64_t mn[C];
@@ -647,7 +647,7 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
         for (int r = 0; r < R; ++r) acc[c][r] = madd_acc_z<R * C>(acc[c][r], _mm512_maddubs_epi16(q, x[r]), s);
       }
     }
-    if (C == 1 && R >= 3) {  // the rows side by side: S through a tree, Mn from the rows' sub-block sums
+    if (C == 1) {  // the rows side by side: S through a tree, Mn from the rows' sub-block sums
       const __mmask8 rows = static_cast<__mmask8>((1u << R) - 1);
       const VI S = reduce8<R>(acc[0]);
       alignas(16) int32_t mp[4];  // mins (2t, 2t + 1) as i16 pairs
@@ -670,7 +670,7 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
       if (k1 != k) f[c1][r1] = step45(f[c1][r1], v[1], v[3], rw.d[r1][i], d[c1], dmin[c1]);
     }
   }
-  if (C == 1 && R >= 3) {
+  if (C == 1) {
     _mm256_mask_storeu_ps(out, static_cast<__mmask8>((1u << R) - 1), fr);
     return;
   }
@@ -696,7 +696,7 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
   float f[C][R];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) f[c][r] = 0.f;
-  VF fr = fzero();  // C = 1, R >= 3: the rows' values side by side
+  VF fr = fzero();  // C = 1: the rows' values side by side
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b[C];
     __m512i s16z[C];
@@ -727,7 +727,7 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
         }
       }
     }
-    if (C == 1 && R >= 3) {  // the rows side by side: the -32 offset folded into each row's lanes, then a tree
+    if (C == 1) {  // the rows side by side: the -32 offset folded into each row's lanes, then a tree
       const VI sc16 = scales16(reinterpret_cast<const int8_t*>(b[0] + 192));
       __m512i v[R];
       for (int r = 0; r < R; ++r)
@@ -751,7 +751,7 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
       if (k1 != k) f[c1][r1] = step6(f[c1][r1], v[1] - v[3], rw.d[r1][i], d[c1]);
     }
   }
-  if (C == 1 && R >= 3) {
+  if (C == 1) {
     _mm256_mask_storeu_ps(out, static_cast<__mmask8>((1u << R) - 1), fr);
     return;
   }
@@ -886,11 +886,19 @@ DotFn dot_fn(int64_t type, int rows) {
   return nullptr;
 }
 
-// Two channels at a time, for one or two rows (nullptr: not offered for this type / build).
+// Two channels at a time, for one or two rows (nullptr: not offered for this type / build, or not chosen).
+// Which of the two row counts take them is the process's choice (`set_pair_rows`, bit r - 1 for r rows):
+// they give the bits of the one-channel kernels, and which is faster depends on the core (measured: on
+// Sapphire Rapids the two streams hide latencies for one or two rows; on Zen 4 the one-channel kernel is
+// faster, the two-row pair costing about what 4 rows do in one channel).
+std::atomic<int> g_pair_rows{3};
+void set_pair_rows(int64_t mask) { g_pair_rows.store(static_cast<int>(mask & 3)); }
+int64_t pair_rows() { return g_pair_rows.load(); }
+
 using Dot2Fn = void (*)(const uint8_t* const*, int64_t, const Acts&, int64_t, float*);
 Dot2Fn dot2_fn(int64_t type, int rows) {
 #if defined(SPECDEC_Z512)
-  if (rows == 1 || rows == 2) {
+  if ((rows == 1 || rows == 2) && (g_pair_rows.load(std::memory_order_relaxed) >> (rows - 1) & 1)) {
     switch (type) {
       case kQ4_K: return rows == 1 ? &dot_q45k_zc<1, 2, false> : &dot_q45k_zc<2, 2, false>;
       case kQ5_K: return rows == 1 ? &dot_q45k_zc<1, 2, true> : &dot_q45k_zc<2, 2, true>;
@@ -1599,6 +1607,8 @@ bool uses_tiles() {
 
 TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("uses_tiles() -> bool", &uses_tiles);
+  m.def("set_pair_rows(int mask) -> ()", &set_pair_rows);
+  m.def("pair_rows() -> int", &pair_rows);
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);

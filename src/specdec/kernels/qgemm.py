@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -109,8 +110,41 @@ def ops(isa: str | None = None):
                 raise RuntimeError(f"this CPU cannot run the {isa} build of the qgemm kernels")
             lib = f"specdec_qgemm_{isa}"
             build_ops(lib, _SOURCE, _COMMON_FLAGS + _ISA_FLAGS[isa] + [f"-DSPECDEC_QLIB={lib}"])  # torch.ops.<lib>
-            _ops[isa] = getattr(torch.ops, lib)
+            lib_ops = getattr(torch.ops, lib)
+            if isa.startswith("avx512"):
+                lib_ops.set_pair_rows(_pair_rows(lib_ops))
+            _ops[isa] = lib_ops
     return _ops[isa]
+
+
+def _pair_rows(lib_ops, trials: int = 5) -> int:
+    """Which row counts (bit r - 1 for r = 1, 2 rows) the 512-bit builds give the kernels that read two
+    weight channels at a time: those measured faster here than the one-channel ones (both give the same
+    bits), on 42 MB of Q4_K blocks (more than a cache holds, as a decoding step's weights), the two taking
+    turns. `SPECDEC_QGEMM_PAIRS` (0-3) sets it instead."""
+    forced = os.environ.get("SPECDEC_QGEMM_PAIRS")
+    if forced:
+        if forced not in ("0", "1", "2", "3"):
+            raise ValueError(f"SPECDEC_QGEMM_PAIRS={forced!r}; choose 0-3 (bit r - 1: r rows read two channels)")
+        return int(forced)
+    K, N = 1536, 49152
+    w = torch.full((N, K // 256, 144), 0x5A, dtype=torch.uint8)  # the values do not change the time
+    w[:, :, 0:4] = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)  # d, dmin of each block
+    w = w.reshape(N, -1)
+    mask = 0
+    for rows in (1, 2):
+        x = torch.randn(rows, K)
+        best = {}
+        for _ in range(trials):
+            for pairs in (True, False):
+                lib_ops.set_pair_rows(1 << (rows - 1) if pairs else 0)
+                t0 = time.perf_counter()
+                lib_ops.qmm(x, [w], [12], None)
+                best[pairs] = min(best.get(pairs, float("inf")), time.perf_counter() - t0)
+        if best[True] < best[False]:
+            mask |= 1 << (rows - 1)
+    logger.debug("qgemm: two-channel kernels for %s", {1: "1 row", 2: "2 rows", 3: "1 and 2 rows"}.get(mask, "no rows"))
+    return mask
 
 
 def unavailable_reason() -> str | None:

@@ -10,6 +10,7 @@ which is what tree rejection sampling needs to stay exact.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from functools import partial
 
 import torch
@@ -29,15 +30,30 @@ def pick_children(seq, full_logits: torch.Tensor, n: int) -> tuple[list[int], to
 
 
 class _FeatureProposer(Proposer):
-    """What the head proposers share: the head, the tree shape, growing a draft."""
+    """What the head proposers share: the head, the tree shape, growing a draft.
+
+    Chain drafts label each token with its kind of guess (`Proposer.guess_kinds`): its depth x how sure the
+    head is of it (the probability the head gives the token: under 0.1, 0.25, 0.5, 0.75, 0.9, or above), so
+    that the adaptive controller (`controller.ByKind`) learns each kind's acceptance and cuts each step's
+    draft where its tokens stop paying for their rows: a sure guess at depth 3 is verified, an unsure one
+    at depth 1 is not, which a single K for every step cannot do.
+    """
 
     needs_hidden = True
+    SURENESS = (0.1, 0.25, 0.5, 0.75, 0.9)
 
     def __init__(self, head, vocab_size: int, tree: TreeShape | DynamicTree | None, max_depth: int) -> None:
         self.head = head
         self.vocab = vocab_size  # the target's
         self.tree = tree
         self.max_depth = max_depth  # K: the engine never asks for deeper drafts
+        self.guess_kinds = 0 if tree is not None else max_depth * (len(self.SURENESS) + 1)
+
+    @classmethod
+    def kind_of(cls, depth: int, prob: float) -> int:
+        """The kind of a chain's token at `depth` (0: the first drafted) that the head gives probability `prob`.
+        Example: depth 1, prob 0.8 -> 1 * 6 + 4 = 10."""
+        return depth * (len(cls.SURENESS) + 1) + bisect_right(cls.SURENESS, prob)
 
     @property
     def memory_bytes(self) -> int:
@@ -95,6 +111,7 @@ class _FeatureProposer(Proposer):
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[torch.Tensor] = []
+        sureness: list[float] = []  # the head's probability of each token (chains: their kinds)
         node_of_path: dict[tuple[int, ...], int] = {(): -1}
         for depth in range(1, shape.depth + 1):
             level = [(p, path) for p, path in zip(shape.parents, shape.paths) if len(path) == depth]
@@ -104,6 +121,9 @@ class _FeatureProposer(Proposer):
             for q, node, lg in zip(parent_paths, parent_nodes, logits):
                 children = [path for _, path in level if path[:-1] == q]  # ranks 0..n-1
                 picked, dist = pick_children(seq, lg, len(children))
+                if len(children) == 1 and self.guess_kinds:
+                    t = picked[0]
+                    sureness.append(float(dist[t]) if dist is not None else float(torch.softmax(lg.float(), -1)[t]))
                 for path in children:
                     node_of_path[path] = len(tokens)
                     tokens.append(picked[path[-1]])
@@ -111,7 +131,10 @@ class _FeatureProposer(Proposer):
                     if dist is not None:
                         probs.append(dist)
         is_chain = all(p == i - 1 for i, p in enumerate(parents))
-        return Draft(tokens, torch.stack(probs) if probs else None, None if is_chain else parents)
+        kinds = None
+        if is_chain and self.guess_kinds and len(sureness) == len(tokens):
+            kinds = [self.kind_of(d, p) for d, p in enumerate(sureness)]
+        return Draft(tokens, torch.stack(probs) if probs else None, None if is_chain else parents, kinds)
 
 
 class MedusaProposer(_FeatureProposer):
