@@ -106,11 +106,13 @@ def test_every_build_gives_the_same_bits(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
 def test_two_channel_and_one_channel_kernels_give_the_same_bits(qtype):
     """The 512-bit builds read two weight channels at a time for one or two rows where that was measured
-    faster (`set_pair_rows`); every choice gives the portable build's bits."""
+    faster (`set_pair_rows`), else one (a row alone: 8 of its blocks side by side); every choice gives the
+    portable build's bits."""
     wide = [isa for isa in ISAS if isa.startswith("avx512")]
     if not wide:
         pytest.skip("no AVX-512 build runs on this CPU")
-    K, N = 768 if qtype in (12, 13, 14) else 800, 25  # an odd channel count: a last channel alone
+    # an odd channel count (a last channel alone); k-quants: 9 blocks (one row takes them 8 side by side, then 1)
+    K, N = 2304 if qtype in (12, 13, 14) else 800, 25
     w = random_blocks(qtype, N, K, seed=3)
     xs = {M: torch.randn(M, K) for M in (1, 2, 3)}
     want = {M: qgemm.qmm(x, [w], [qtype], isa="generic") for M, x in xs.items()}

@@ -770,6 +770,111 @@ void dot_q6k_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* o
 }
 
 
+// One row, one channel, 8 blocks side by side: a single row has no other rows to share the horizontal sums
+// of S and Mn with (the transposing tree of the rows-side-by-side kernels would run at 1/8 of its width), so
+// 8 blocks' sums go through one tree and the fp32 steps' products run on their 8 lanes at once; the steps'
+// last operations (the adds into f, in block order) stay one after the other. Lane k's operations are
+// those of step45 / step6 for block i0 + k, so the bits are the other kernels'. The weights are still read
+// as one stream. (With 2-4 rows, R x 8 / R blocks in the lanes measured slower than the rows side by side.)
+template <bool Q5>
+void dot_q45k_b8(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const int8_t* xq = a.qrow(m0);
+  const int32_t* s32 = a.s32row(m0);
+  const float* dxr = a.drow(m0);
+  constexpr int64_t bytes = Q5 ? 176 : 144;
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m01 = _mm512_set1_epi8(1);
+  const __m512i sh04 = shifts(0, 4);
+  __m512i pick[4];  // i16 lanes 0-15: scale 2j, 16-31: scale 2j + 1
+  for (int j = 0; j < 4; ++j) pick[j] = shifts(2 * j, 2 * j + 1);
+  float f = 0.f;
+  for (int64_t i0 = 0; i0 < nb; i0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, nb - i0));
+    alignas(32) float d[8] = {}, dmin[8] = {};
+    __m512i acc[8], mz[8];
+    for (int k = 0; k < 8; ++k) {
+      acc[k] = mz[k] = _mm512_setzero_si512();
+      if (k >= n) continue;
+      const int64_t i = i0 + k;
+      const uint8_t* b = w + i * bytes;
+      prefetch_ahead(b, bytes);
+      d[k] = fp16(b);
+      dmin[k] = fp16(b + 2);
+      uint64_t sc, mn;
+      k_scales_mins(b + 4, &sc, &mn);
+      const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
+      const uint8_t* qs = b + (Q5 ? 48 : 16);
+      const __m512i hb = Q5 ? bcast256(load(b + 16)) : _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs + 32 * j)), sh04), m0f);
+        if (Q5) q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, shifts(2 * j, 2 * j + 1)), m01), 4));
+        const __m512i x = _mm512_loadu_si512(xq + i * 256 + 64 * j);
+        acc[k] = madd_acc_z<8>(acc[k], _mm512_maddubs_epi16(q, x), _mm512_permutexvar_epi16(pick[j], scz));
+      }
+      mz[k] = _mm512_zextsi256_si512(madd(load(s32 + i * 8), widen32(mn)));
+    }
+    const VI S = reduce8<8>(acc), Mn = reduce8<8>(mz);
+    const VF dx = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), dxr + i0);
+    const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_load_ps(dmin)));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_fmsub_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_load_ps(d)), m));
+    for (int k = 0; k < n; ++k) f += t[k];
+  }
+  *out = f;
+}
+
+void dot_q6k_b8(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const int8_t* xq = a.qrow(m0);
+  const int16_t* s16 = a.srow(m0);
+  const float* dxr = a.drow(m0);
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+  const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
+  __m512i pick[4];  // for (h, k): the scales of the four 16-value groups of 64 values, 8 i16 lanes each
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 2; ++k) {
+      const int g = 8 * h + 4 * k;
+      pick[2 * h + k] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
+          pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
+    }
+  float f = 0.f;
+  for (int64_t i0 = 0; i0 < nb; i0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, nb - i0));
+    alignas(32) float d[8] = {};
+    __m512i v[8];
+    for (int k = 0; k < 8; ++k) {
+      v[k] = _mm512_setzero_si512();
+      if (k >= n) continue;
+      const int64_t i = i0 + k;
+      const uint8_t* b = w + i * 210;
+      prefetch_ahead(b, 210);
+      d[k] = fp16(b + 208);
+      const VI sc16 = scales16(reinterpret_cast<const int8_t*>(b + 192));
+      const __m512i s16z = _mm512_castsi256_si512(sc16);
+      __m512i acc = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i l = _mm512_loadu_si512(b + 64 * h);  // low nibbles of chunks 0|1, high of 2|3
+        const __m512i hb = bcast256(load(b + 128 + 32 * h));
+        const __m512i q0 = _mm512_or_si512(_mm512_and_si512(l, m0f),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh02), m3), 4));
+        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh46), m3), 4));
+        acc = madd_acc_z<8>(acc, _mm512_maddubs_epi16(q0, _mm512_loadu_si512(xq + i * 256 + (2 * h) * 64)),
+                            _mm512_permutexvar_epi16(pick[2 * h], s16z));
+        acc = madd_acc_z<8>(acc, _mm512_maddubs_epi16(q1, _mm512_loadu_si512(xq + i * 256 + (2 * h + 1) * 64)),
+                            _mm512_permutexvar_epi16(pick[2 * h + 1], s16z));
+      }
+      // the -32 offset folded into the lanes: 32 sum(scale x sum of 16 activations)
+      v[k] = _mm512_sub_epi32(acc, _mm512_zextsi256_si512(shl32(madd(load(s16 + i * 16), sc16), 5)));
+    }
+    const VF dx = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), dxr + i0);
+    alignas(32) float sf[8], dxd[8];
+    _mm256_store_ps(sf, _mm256_cvtepi32_ps(reduce8<8>(v)));
+    _mm256_store_ps(dxd, _mm256_mul_ps(dx, _mm256_load_ps(d)));
+    for (int k = 0; k < n; ++k) f = std::fma(sf[k], dxd[k], f);
+  }
+  *out = f;
+}
+
 // 32-value blocks as signed bytes (the zmm build: Q5_0's fifth bit through a mask instead of a shuffle);
 // the same bytes as q32_weights.
 template <int64_t T>
@@ -871,6 +976,11 @@ DotFn dot_for(int64_t type) {
 }
 
 DotFn dot_fn(int64_t type, int rows) {
+#if defined(SPECDEC_Z512)
+  if (rows == 1 && type == kQ4_K) return &dot_q45k_b8<false>;
+  if (rows == 1 && type == kQ5_K) return &dot_q45k_b8<true>;
+  if (rows == 1 && type == kQ6_K) return &dot_q6k_b8;
+#endif
   switch (rows) {
     case 1: return dot_for<1>(type);
     case 2: return dot_for<2>(type);
