@@ -678,6 +678,18 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
     for (int r = 0; r < R; ++r) out[c * R + r] = f[c][r];
 }
 
+// Q6_K: the permutations that give, for chunk pair h and half k of a block, the scales of its four 16-value
+// groups (8 i16 lanes each), and the 6-bit quants of chunks (2h, 2h + 1) from a block's low and high bits.
+inline void q6k_picks(__m512i* pick) {
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 2; ++k) {
+      const int g = 8 * h + 4 * k;
+      pick[2 * h + k] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
+          pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
+    }
+}
+
 template <int R, int C>
 void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
@@ -686,13 +698,7 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
   const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
   const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
   __m512i pick[4];  // for (h, k): the scales of the four 16-value groups of 64 values, 8 i16 lanes each
-  for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 2; ++k) {
-      const int g = 8 * h + 4 * k;
-      pick[2 * h + k] = _mm512_inserti64x4(
-          _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
-          pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
-    }
+  q6k_picks(pick);
   float f[C][R];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) f[c][r] = 0.f;
@@ -829,13 +835,7 @@ void dot_q6k_b8(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
   const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
   __m512i pick[4];  // for (h, k): the scales of the four 16-value groups of 64 values, 8 i16 lanes each
-  for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 2; ++k) {
-      const int g = 8 * h + 4 * k;
-      pick[2 * h + k] = _mm512_inserti64x4(
-          _mm512_castsi256_si512(pair16(static_cast<int16_t>(g), static_cast<int16_t>(g + 1))),
-          pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
-    }
+  q6k_picks(pick);
   float f = 0.f;
   for (int64_t i0 = 0; i0 < nb; i0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, nb - i0));
