@@ -599,6 +599,22 @@ inline VI reduce8(const __m512i* in) {
   return _mm512_castsi512_si256(_mm512_shuffle_i64x2(y, y, 0x08));
 }
 
+// Q4_K / Q5_K: the permutations giving chunk j's scales (i16 lanes 0-15: scale 2j, 16-31: scale 2j + 1), and
+// the quants of chunk j ([low nibbles | high nibbles] of 32 bytes: sub-blocks 2j and 2j + 1; Q5_K: plus the
+// fifth bit from the block's 32 high-bit bytes `hb`, broadcast to both halves).
+inline void q45k_picks(__m512i* pick) {
+  for (int j = 0; j < 4; ++j) pick[j] = shifts(2 * j, 2 * j + 1);
+}
+template <bool Q5>
+inline __m512i q45k_quants(const uint8_t* qs, __m512i hb, int j) {
+  __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs + 32 * j)), shifts(0, 4)), _mm512_set1_epi8(0x0F));
+  if (Q5) {
+    const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(hb, shifts(2 * j, 2 * j + 1)), _mm512_set1_epi8(1));
+    q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));
+  }
+  return q;
+}
+
 // C channels at a time (C = 2 for one or two rows: two independent weight streams keep the core busy
 // where one row leaves it waiting on latencies); out[c * R + r].
 template <int R, int C, bool Q5>
@@ -606,10 +622,8 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
   const Rows<R> rw(a, m0);
   const int8_t* xg = a.qgroup(m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
-  const __m512i m0f = _mm512_set1_epi8(0x0F), m01 = _mm512_set1_epi8(1);
-  const __m512i sh04 = shifts(0, 4);
-  __m512i pick[4];  // i16 lanes 0-15: scale 2j, 16-31: scale 2j + 1
-  for (int j = 0; j < 4; ++j) pick[j] = shifts(2 * j, 2 * j + 1);
+  __m512i pick[4];
+  q45k_picks(pick);
   float f[C][R];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) f[c][r] = 0.f;
@@ -637,12 +651,7 @@ void dot_q45k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0,
       __m512i x[R];
       for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_si512(xg + (i * 4 + j) * R * 64 + r * 64);
       for (int c = 0; c < C; ++c) {
-        // [low nibbles | high nibbles] of 32 bytes: sub-blocks 2j and 2j + 1
-        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs[c] + 32 * j)), sh04), m0f);
-        if (Q5) {
-          const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(hb[c], shifts(2 * j, 2 * j + 1)), m01);
-          q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));
-        }
+        const __m512i q = q45k_quants<Q5>(qs[c], hb[c], j);
         const __m512i s = _mm512_permutexvar_epi16(pick[j], scz[c]);
         for (int r = 0; r < R; ++r) acc[c][r] = madd_acc_z<R * C>(acc[c][r], _mm512_maddubs_epi16(q, x[r]), s);
       }
@@ -689,14 +698,21 @@ inline void q6k_picks(__m512i* pick) {
           pair16(static_cast<int16_t>(g + 2), static_cast<int16_t>(g + 3)), 1);
     }
 }
+inline void q6k_quants(const uint8_t* b, int h, __m512i* q) {
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+  const __m512i l = _mm512_loadu_si512(b + 64 * h);  // low nibbles of chunks 0|1, high of 2|3
+  const __m512i hb = bcast256(load(b + 128 + 32 * h));
+  q[0] = _mm512_or_si512(_mm512_and_si512(l, m0f),
+                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, shifts(0, 2)), m3), 4));
+  q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
+                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, shifts(4, 6)), m3), 4));
+}
 
 template <int R, int C>
 void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const Rows<R> rw(a, m0);
   const int8_t* xg = a.qgroup(m0);
   const int16_t* sg = a.sgroup(m0);
-  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
-  const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
   __m512i pick[4];  // for (h, k): the scales of the four 16-value groups of 64 values, 8 i16 lanes each
   q6k_picks(pick);
   float f[C][R];
@@ -716,14 +732,8 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
       for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < C; ++c) {
-        const __m512i l = _mm512_loadu_si512(b[c] + 64 * h);  // low nibbles of chunks 0|1, high of 2|3
-        const __m512i hb = bcast256(load(b[c] + 128 + 32 * h));
-        const __m512i q[2] = {
-            _mm512_or_si512(_mm512_and_si512(l, m0f),
-                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh02), m3), 4)),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
-                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh46), m3), 4)),
-        };
+        __m512i q[2];
+        q6k_quants(b[c], h, q);
         for (int k = 0; k < 2; ++k) {
           const __m512i s = _mm512_permutexvar_epi16(pick[2 * h + k], s16z[c]);
           for (int r = 0; r < R; ++r) {
@@ -788,10 +798,8 @@ void dot_q45k_b8(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float*
   const int32_t* s32 = a.s32row(m0);
   const float* dxr = a.drow(m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
-  const __m512i m0f = _mm512_set1_epi8(0x0F), m01 = _mm512_set1_epi8(1);
-  const __m512i sh04 = shifts(0, 4);
-  __m512i pick[4];  // i16 lanes 0-15: scale 2j, 16-31: scale 2j + 1
-  for (int j = 0; j < 4; ++j) pick[j] = shifts(2 * j, 2 * j + 1);
+  __m512i pick[4];
+  q45k_picks(pick);
   float f = 0.f;
   for (int64_t i0 = 0; i0 < nb; i0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, nb - i0));
@@ -811,8 +819,7 @@ void dot_q45k_b8(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float*
       const uint8_t* qs = b + (Q5 ? 48 : 16);
       const __m512i hb = Q5 ? bcast256(load(b + 16)) : _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
-        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bcast256(load(qs + 32 * j)), sh04), m0f);
-        if (Q5) q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, shifts(2 * j, 2 * j + 1)), m01), 4));
+        const __m512i q = q45k_quants<Q5>(qs, hb, j);
         const __m512i x = _mm512_loadu_si512(xq + i * 256 + 64 * j);
         acc[k] = madd_acc_z<8>(acc[k], _mm512_maddubs_epi16(q, x), _mm512_permutexvar_epi16(pick[j], scz));
       }
@@ -832,8 +839,6 @@ void dot_q6k_b8(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   const int8_t* xq = a.qrow(m0);
   const int16_t* s16 = a.srow(m0);
   const float* dxr = a.drow(m0);
-  const __m512i m0f = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
-  const __m512i sh02 = shifts(0, 2), sh46 = shifts(4, 6);
   __m512i pick[4];  // for (h, k): the scales of the four 16-value groups of 64 values, 8 i16 lanes each
   q6k_picks(pick);
   float f = 0.f;
@@ -852,15 +857,11 @@ void dot_q6k_b8(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
       const __m512i s16z = _mm512_castsi256_si512(sc16);
       __m512i acc = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {
-        const __m512i l = _mm512_loadu_si512(b + 64 * h);  // low nibbles of chunks 0|1, high of 2|3
-        const __m512i hb = bcast256(load(b + 128 + 32 * h));
-        const __m512i q0 = _mm512_or_si512(_mm512_and_si512(l, m0f),
-                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh02), m3), 4));
-        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
-                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh46), m3), 4));
-        acc = madd_acc_z<8>(acc, _mm512_maddubs_epi16(q0, _mm512_loadu_si512(xq + i * 256 + (2 * h) * 64)),
+        __m512i q[2];
+        q6k_quants(b, h, q);
+        acc = madd_acc_z<8>(acc, _mm512_maddubs_epi16(q[0], _mm512_loadu_si512(xq + i * 256 + (2 * h) * 64)),
                             _mm512_permutexvar_epi16(pick[2 * h], s16z));
-        acc = madd_acc_z<8>(acc, _mm512_maddubs_epi16(q1, _mm512_loadu_si512(xq + i * 256 + (2 * h + 1) * 64)),
+        acc = madd_acc_z<8>(acc, _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(xq + i * 256 + (2 * h + 1) * 64)),
                             _mm512_permutexvar_epi16(pick[2 * h + 1], s16z));
       }
       // the -32 offset folded into the lanes: 32 sum(scale x sum of 16 activations)
@@ -955,10 +956,10 @@ using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
 template <int R>
 DotFn dot_for(int64_t type) {
 #if defined(SPECDEC_Z512)
-  switch (type) {
-    case kQ4_K: return &dot_q45k_z<R, false>;
-    case kQ5_K: return &dot_q45k_z<R, true>;
-    case kQ6_K: return &dot_q6k_z<R>;
+  switch (type) {  // the k-quants of a row alone: its blocks side by side
+    case kQ4_K: if constexpr (R == 1) return &dot_q45k_b8<false>; else return &dot_q45k_z<R, false>;
+    case kQ5_K: if constexpr (R == 1) return &dot_q45k_b8<true>; else return &dot_q45k_z<R, true>;
+    case kQ6_K: if constexpr (R == 1) return &dot_q6k_b8; else return &dot_q6k_z<R>;
     case kQ8_0: return &dot_q32_z<R, kQ8_0>;
     case kQ4_0: return &dot_q32_z<R, kQ4_0>;
     case kQ5_0: return &dot_q32_z<R, kQ5_0>;
@@ -976,11 +977,6 @@ DotFn dot_for(int64_t type) {
 }
 
 DotFn dot_fn(int64_t type, int rows) {
-#if defined(SPECDEC_Z512)
-  if (rows == 1 && type == kQ4_K) return &dot_q45k_b8<false>;
-  if (rows == 1 && type == kQ5_K) return &dot_q45k_b8<true>;
-  if (rows == 1 && type == kQ6_K) return &dot_q6k_b8;
-#endif
   switch (rows) {
     case 1: return dot_for<1>(type);
     case 2: return dot_for<2>(type);

@@ -121,9 +121,10 @@ class _FeatureProposer(Proposer):
             for q, node, lg in zip(parent_paths, parent_nodes, logits):
                 children = [path for _, path in level if path[:-1] == q]  # ranks 0..n-1
                 picked, dist = pick_children(seq, lg, len(children))
-                if len(children) == 1 and self.guess_kinds:
+                if self.guess_kinds:  # a chain: one child, the head's probability of it
                     t = picked[0]
-                    sureness.append(float(dist[t]) if dist is not None else float(torch.softmax(lg.float(), -1)[t]))
+                    sureness.append(float(dist[t]) if dist is not None else
+                                    float(torch.exp(lg[t].float() - torch.logsumexp(lg.float(), -1))))
                 for path in children:
                     node_of_path[path] = len(tokens)
                     tokens.append(picked[path[-1]])
@@ -131,9 +132,7 @@ class _FeatureProposer(Proposer):
                     if dist is not None:
                         probs.append(dist)
         is_chain = all(p == i - 1 for i, p in enumerate(parents))
-        kinds = None
-        if is_chain and self.guess_kinds and len(sureness) == len(tokens):
-            kinds = [self.kind_of(d, p) for d, p in enumerate(sureness)]
+        kinds = [self.kind_of(d, p) for d, p in enumerate(sureness)] if self.guess_kinds else None
         return Draft(tokens, torch.stack(probs) if probs else None, None if is_chain else parents, kinds)
 
 
