@@ -104,6 +104,26 @@ def test_every_build_gives_the_same_bits(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
+def test_every_build_gives_the_same_bits_at_the_largest_integer_sums(qtype):
+    """Every quant and scale at its largest (all bits set) times activations all at +127 or -127 (and
+    alternating): the integer lanes the 512-bit kernels pack (sub-block sums in 16-bit halves) are at their
+    bounds, and every build still gives the portable build's bits."""
+    K, N = 2304 if qtype in (12, 13, 14) else 800, 9
+    w = torch.full((N, K // qgemm.BLOCK[qtype][0], qgemm.BLOCK[qtype][1]), 0xFF, dtype=torch.uint8)
+    for off in FP16_FIELDS[qtype]:
+        w[..., off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    if qtype == 14:
+        w[..., 192:208] = torch.tensor([-128, 127] * 8, dtype=torch.int8).view(torch.uint8)  # signed scales
+    w = w.reshape(N, -1)
+    sign = torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)
+    x = torch.stack([torch.ones(K), -torch.ones(K), sign, torch.ones(K)])
+    for M in (1, 2, 4):
+        outs = [qgemm.qmm(x[:M], [w], [qtype], isa=isa) for isa in ISAS]
+        assert all(torch.equal(outs[-1], o) for o in outs), (M, ISAS)  # the last is the portable build
+        assert outs[-1].abs().max() > 0
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[qgemm.SUPPORTED_TYPES[t] for t in TYPES])
 def test_two_channel_and_one_channel_kernels_give_the_same_bits(qtype):
     """The 512-bit builds read two weight channels at a time for one or two rows where that was measured
     faster (`set_pair_rows`), else one (a row alone: 8 of its blocks side by side); every choice gives the

@@ -274,12 +274,16 @@ inline int32_t pack_i16x2(int32_t lo, int32_t hi) {
 constexpr int64_t q45k_lane(int g, int v) {
   return 32 * (2 * ((v / 8) % 4) + g / 2) + 16 * (g % 2) + 8 * (v / 32) + v % 8;
 }
+// Q6_K in the 512-bit kernels: 32-bit lane L of each of a block's 4 registers holds quants of sub-block
+// q6k_sub(L) (register c: its values 4c..4c + 3).
+constexpr int q6k_sub(int L) { return 4 * (L % 4) + L / 4; }
 
 struct Acts {
   int64_t M = 0, K = 0, bs = 0;  // rows, row length, block size (32 or 256)
   std::vector<int8_t> q;         // [M][K]
   std::vector<int16_t> s;        // [M][K / 16]: sums of 16 quants
   std::vector<int32_t> s32;      // [M][K / 32]: sums of 32 quants
+  std::vector<int16_t> s32h;     // [M][K / 32]: the same as i16 (they fit)
   std::vector<float> d;          // [M][K / bs]: block scales
   // bs = 256, rows side by side: dT [K / 256][M] block scales, bsT [K / 256][4][M] the sums of sub-blocks
   // (2t, 2t + 1) as an i16 pair
@@ -295,9 +299,9 @@ struct Acts {
   // (from m0 K) [block][register][row][64]
   std::vector<int8_t> qp;
   const int8_t* qperm(int64_t m0) const { return qp.data() + m0 * K; }
-  // bs = 256, the 512-bit Q6_K kernels (any M): byte 4L + t of register c of a block is its quant 16 L + 4 c
-  // + t (32-bit lane L: sub-block L), groups interleaved: q6 (from m0 K) [block][register][row][64]; o6
-  // (from m0 K / 16) [block][row][16]: -32 x the sum of each sub-block's 16 quants (Q6_K's offset)
+  // bs = 256, the 512-bit Q6_K kernels (any M): byte 4L + t of register c of a block is its quant
+  // 16 q6k_sub(L) + 4 c + t, groups interleaved: q6 (from m0 K) [block][register][row][64]; o6 (from m0 K / 16)
+  // [block][row][16]: lane L, -32 x the sum of sub-block q6k_sub(L)'s 16 quants (Q6_K's offset)
   std::vector<int8_t> q6;
   std::vector<int32_t> o6;
   const int8_t* q6perm(int64_t m0) const { return q6.data() + m0 * K; }
@@ -307,6 +311,7 @@ struct Acts {
   const int8_t* qrow(int64_t m) const { return q.data() + m * K; }
   const int16_t* srow(int64_t m) const { return s.data() + m * (K / 16); }
   const int32_t* s32row(int64_t m) const { return s32.data() + m * (K / 32); }
+  const int16_t* s32hrow(int64_t m) const { return s32h.data() + m * (K / 32); }
   const float* drow(int64_t m) const { return d.data() + m * (K / bs); }
 };
 
@@ -386,6 +391,7 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
   a.q.resize(M * K);
   a.s.resize(M * (K / 16));
   a.s32.resize(M * (K / 32));
+  a.s32h.resize(M * (K / 32));
   a.d.resize(M * (K / bs));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
@@ -402,7 +408,10 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
         quantize_block(r + b * bs, bs, a.q.data() + m * K + b * bs, a.s.data() + m * (K / 16) + b * (bs / 16),
                        a.d.data() + m * (K / bs) + b);
       const int16_t* s16 = a.s.data() + m * (K / 16);
-      for (int64_t g = 0; g < K / 32; ++g) a.s32[m * (K / 32) + g] = s16[2 * g] + s16[2 * g + 1];
+      for (int64_t g = 0; g < K / 32; ++g) {
+        a.s32[m * (K / 32) + g] = s16[2 * g] + s16[2 * g + 1];
+        a.s32h[m * (K / 32) + g] = static_cast<int16_t>(s16[2 * g] + s16[2 * g + 1]);  // |sum| <= 32 x 127
+      }
     }
   });
   a.M = M;
@@ -422,10 +431,10 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
           const int8_t* src = a.q.data() + (m0 + r) * K + i * 256;
           for (int c = 0; c < 4; ++c) {
             int8_t* dst = a.q6.data() + m0 * K + ((i * 4 + c) * R + r) * 64;
-            for (int L = 0; L < 16; ++L) std::memcpy(dst + 4 * L, src + 16 * L + 4 * c, 4);
+            for (int L = 0; L < 16; ++L) std::memcpy(dst + 4 * L, src + 16 * q6k_sub(L) + 4 * c, 4);
           }
           for (int L = 0; L < 16; ++L)
-            a.o6[m0 * (K / 16) + (i * R + r) * 16 + L] = -32 * a.s[(m0 + r) * (K / 16) + i * 16 + L];
+            a.o6[m0 * (K / 16) + (i * R + r) * 16 + L] = -32 * a.s[(m0 + r) * (K / 16) + i * 16 + q6k_sub(L)];
         }
     }
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -885,16 +894,21 @@ void dot_q45k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float*
 template <bool Q5>
 void dot_q45k_fl1(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const int8_t* xp = a.qperm(m0);
-  const int32_t* s32 = a.s32row(m0);
+  const int16_t* s32h = a.s32hrow(m0);
   const float* dxr = a.drow(m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
+  // Mn of 8 blocks at once: their mins (as i16) times the row's sums of 32 quants, multiplied and added by
+  // pairs, then the 4 lanes of each block (a 128-bit lane) summed
+  const __m512i gather = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0);
   float f = 0.f;
   for (int64_t i0 = 0; i0 < nb; i0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, nb - i0));
     alignas(32) float d[8] = {}, dmin[8] = {};
-    __m512i acc[8], mz[8];
+    alignas(64) uint64_t mins[8] = {};
+    __m512i acc[8];
+#pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {
-      acc[k] = mz[k] = _mm512_setzero_si512();
+      acc[k] = _mm512_setzero_si512();
       if (k >= n) continue;
       const int64_t i = i0 + k;
       const uint8_t* b = w + i * bytes;
@@ -903,9 +917,20 @@ void dot_q45k_fl1(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float
       dmin[k] = fp16(b + 2);
       const Q45kRegs q = q45k_regs<Q5>(b);
       acc[k] = q45k_lanes_dot(q, xp + i * 256, 64);
-      mz[k] = _mm512_zextsi256_si512(madd(load(s32 + i * 8), widen32(q.mn)));
+      mins[k] = q.mn;
     }
-    const VI S = reduce8<8>(acc), Mn = reduce8<8>(mz);
+    const VI S = reduce8<8>(acc);
+    const __m512i mb = _mm512_load_si512(mins);
+    const uint64_t live = n == 8 ? ~0ull : (1ull << (8 * n)) - 1;  // the i16 sums of the n blocks
+    __m512i p0 = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(mb)),
+                                   _mm512_maskz_loadu_epi16(static_cast<__mmask32>(live), s32h + i0 * 8));
+    __m512i p1 = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(mb, 1)),
+                                   _mm512_maskz_loadu_epi16(static_cast<__mmask32>(live >> 32), s32h + i0 * 8 + 32));
+    p0 = _mm512_add_epi32(p0, _mm512_shuffle_epi32(p0, static_cast<_MM_PERM_ENUM>(0x4E)));
+    p1 = _mm512_add_epi32(p1, _mm512_shuffle_epi32(p1, static_cast<_MM_PERM_ENUM>(0x4E)));
+    p0 = _mm512_add_epi32(p0, _mm512_shuffle_epi32(p0, static_cast<_MM_PERM_ENUM>(0xB1)));
+    p1 = _mm512_add_epi32(p1, _mm512_shuffle_epi32(p1, static_cast<_MM_PERM_ENUM>(0xB1)));
+    const VI Mn = _mm512_castsi512_si256(_mm512_permutex2var_epi32(p0, gather, p1));
     const VF dx = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), dxr + i0);
     const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_load_ps(dmin)));
     alignas(32) float t[8];
@@ -916,36 +941,37 @@ void dot_q45k_fl1(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float
 }
 
 // Q6_K with the quants in fixed lanes: 32-bit lane L of each of the 4 registers holds 4 quants of sub-block
-// L (its values 4c..4c + 3 in register c), gathered by 32-bit words from the low-nibble and high-bit bytes.
-// The lanes then accumulate over the 4 registers from -32 x the sub-block's activation sum (the offset),
-// and one 32-bit multiply by the 16 scales gives S's lanes: per row, 4 u8 x s8 dot products and one
-// multiply, where dot_q6k_zc needs 4 products to i16, 4 multiply-adds and the offset's 3 operations.
-// (Measured on Zen 4, with 2 threads, against the kernels on the file's order: the default target's Q4_K
-// matrices 1.2-1.3x faster at 2-8 rows, its Q6_K ones 1.0-1.2x; a row alone is bound by reading.)
+// q6k_sub(L) (its values 4c..4c + 3 in register c). The low nibbles of 64 bytes of a half-block are 4
+// whole sub-blocks, one per 128-bit lane, and so are their high nibbles; their 2 high bits come from the
+// half's 32 high-bit bytes, broadcast to both 256-bit halves and shifted per 128-bit lane. A 4 x 4 transpose
+// of 32-bit words within each 128-bit lane then puts word c of every sub-block in register c. The lanes
+// accumulate over the 4 registers from -32 x the sub-block's activation sum (the offset), and one 32-bit
+// multiply by the 16 scales gives S's lanes: per row, 4 u8 x s8 dot products and one multiply, where
+// dot_q6k_zc needs 4 products to i16, 4 multiply-adds and the offset's 3 operations.
 struct Q6kRegs {
   __m512i q[4];
-  __m512i sc;  // i32 lane L: the scale of sub-block L
+  __m512i sc;  // i32 lane L: the scale of sub-block q6k_sub(L)
 };
 inline Q6kRegs q6k_regs(const uint8_t* b) {
-  // quant 16 L + 4 c + t sits in low-nibble dword 16 (L / 8) + 8 ((L / 2) % 2) + 4 (L % 2) + c, its high
-  // nibble when (L / 4) % 2, and takes bits 2 ((L / 2) % 4) of high-bit dword 8 (L / 8) + 4 (L % 2) + c
-  const __m512i l0 = _mm512_loadu_si512(b), l1 = _mm512_loadu_si512(b + 64), hb = _mm512_loadu_si512(b + 128);
-  const __m512i il = _mm512_set_epi32(28, 24, 20, 16, 28, 24, 20, 16, 12, 8, 4, 0, 12, 8, 4, 0);
-  const __m512i ih = _mm512_set_epi32(12, 8, 12, 8, 12, 8, 12, 8, 4, 0, 4, 0, 4, 0, 4, 0);
-  const __m512i nib = _mm512_set_epi32(4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0);
-  const __m512i up = _mm512_set_epi32(0, 0, 0, 0, 2, 2, 4, 4, 0, 0, 0, 0, 2, 2, 4, 4);
-  const __m512i down = _mm512_set_epi32(2, 2, 0, 0, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 0, 0);
   const __m512i m0f = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  Q6kRegs r;
-  for (int c = 0; c < 4; ++c) {
-    const __m512i cc = _mm512_set1_epi32(c);
-    const __m512i lw = _mm512_permutex2var_epi32(l0, _mm512_add_epi32(il, cc), l1);
-    const __m512i hw = _mm512_permutexvar_epi32(_mm512_add_epi32(ih, cc), hb);
-    // bits 2g, 2g + 1 of each high-bit byte to bits 4, 5: left by 4 - 2g (g < 2) or right by 2g - 4
-    const __m512i h = _mm512_srlv_epi32(_mm512_sllv_epi32(hw, up), down);
-    r.q[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(lw, nib), m0f), _mm512_and_si512(h, m30));
+  // to bits 4-5: low nibbles take bits 0-1 (128-bit lanes 0, 1) or 2-3 (lanes 2, 3), high ones 4-5 or 6-7
+  const __m512i up = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), down = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+  __m512i x[4];  // 128-bit lane t of x[r]: sub-block 4 r + t
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l = _mm512_loadu_si512(b + 64 * h), hb = bcast256(load(b + 128 + 32 * h));
+    x[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m0f), _mm512_and_si512(_mm512_sllv_epi64(hb, up), m30));
+    x[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f),
+                                   _mm512_and_si512(_mm512_srlv_epi64(hb, down), m30));
   }
-  r.sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+  Q6kRegs r;
+  r.q[0] = _mm512_unpacklo_epi64(t0, t2);
+  r.q[1] = _mm512_unpackhi_epi64(t0, t2);
+  r.q[2] = _mm512_unpacklo_epi64(t1, t3);
+  r.q[3] = _mm512_unpackhi_epi64(t1, t3);
+  const __m128i pick = _mm_set_epi8(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  // byte L: q6k_sub(L)
+  r.sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), pick));
   return r;
 }
 // S's 16 lanes for one row: x, the row's 4 registers of the block (`stride` bytes apart); o, its offsets
@@ -984,6 +1010,7 @@ void dot_q6k_fl1(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float*
     const int n = static_cast<int>(std::min<int64_t>(8, nb - i0));
     alignas(32) float d[8] = {};
     __m512i v[8];
+#pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {
       v[k] = _mm512_setzero_si512();
       if (k >= n) continue;
