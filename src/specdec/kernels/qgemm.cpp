@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -53,10 +54,19 @@ namespace {
 enum : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr int kMaxRows = 8;  // 32 vector registers
+constexpr int kMaxRows = 12;  // 32 vector registers: the k-quants' fixed lanes keep one a row (two trees: 8 and
+                               // the rest); the 32-value types run a group of more than 8 rows as two
 #else
 constexpr int kMaxRows = 4;
 #endif
+
+// The rows of a call go in groups of at most kMaxRows, as even as can be (16 rows: 8 + 8, not 12 + 4; 9:
+// 9): a group shares each weight block, and a large group's rows cost more each (registers run short).
+inline int64_t row_groups(int64_t M) { return (M + kMaxRows - 1) / kMaxRows; }
+inline int64_t group_start(int64_t M, int64_t g) {  // the first `M % groups` groups take one row more
+  const int64_t G = row_groups(M);
+  return g * (M / G) + std::min(g, M % G);
+}
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -289,13 +299,13 @@ struct Acts {
   // (2t, 2t + 1) as an i16 pair
   std::vector<float> dT;
   std::vector<int32_t> bsT;
-  // bs = 256, the 512-bit kernels, M >= 2: each group of kMaxRows rows (the last one shorter) interleaved so
+  // bs = 256, the 512-bit kernels, M >= 2: each group of rows (`group_start`) interleaved so
   // that a group's rows are read from one pointer: qg (from m0 K) [block][64-value chunk][row][64], sg (from
   // m0 K / 16) [block][row][16 sums]
   std::vector<int8_t> qg;
   std::vector<int16_t> sg;
   // bs = 256, the 512-bit Q4_K / Q5_K kernels (any M): each 256-value block of a row in the order their
-  // weight registers hold the quants (`q45k_lanes`), each group of kMaxRows rows interleaved as in qg: qp
+  // weight registers hold the quants (`q45k_lane`), each group of rows interleaved as in qg: qp
   // (from m0 K) [block][register][row][64]
   std::vector<int8_t> qp;
   const int8_t* qperm(int64_t m0) const { return qp.data() + m0 * K; }
@@ -424,8 +434,8 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
     a.qp.resize(M * K);
     a.q6.resize(M * K);
     a.o6.resize(M * (K / 16));
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int64_t R = std::min<int64_t>(kMaxRows, M - m0);
+    for (int64_t g = 0; g < row_groups(M); ++g) {
+      const int64_t m0 = group_start(M, g), R = group_start(M, g + 1) - m0;
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < nb; ++i) {
           const int8_t* src = a.q.data() + (m0 + r) * K + i * 256;
@@ -437,8 +447,8 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
             a.o6[m0 * (K / 16) + (i * R + r) * 16 + L] = -32 * a.s[(m0 + r) * (K / 16) + i * 16 + q6k_sub(L)];
         }
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int64_t R = std::min<int64_t>(kMaxRows, M - m0);
+    for (int64_t g = 0; g < row_groups(M); ++g) {
+      const int64_t m0 = group_start(M, g), R = group_start(M, g + 1) - m0;
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < nb; ++i) {
           const int8_t* src = a.q.data() + (m0 + r) * K + i * 256;
@@ -453,8 +463,8 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
     const int64_t nb = K / 256;
     a.qg.resize(M * K);
     a.sg.resize(M * (K / 16));
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int64_t R = std::min<int64_t>(kMaxRows, M - m0);
+    for (int64_t g = 0; g < row_groups(M); ++g) {
+      const int64_t m0 = group_start(M, g), R = group_start(M, g + 1) - m0;
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < nb; ++i) {
           for (int c = 0; c < 4; ++c)
@@ -867,25 +877,33 @@ template <int R, bool Q5>
 void dot_q45k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const int8_t* xp = a.qperm(m0);
   constexpr int64_t bytes = Q5 ? 176 : 144;
-  constexpr __mmask8 rows = static_cast<__mmask8>((1u << R) - 1);
-  VF fr = fzero();
+  constexpr int R0 = R < 8 ? R : 8, R1 = R - R0;  // rows of the first and the second tree
+  constexpr __mmask8 rows0 = static_cast<__mmask8>((1u << R0) - 1), rows1 = static_cast<__mmask8>((1u << R1) - 1);
+  VF fr[2] = {fzero(), fzero()};
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = w + i * bytes;
     prefetch_ahead(b, bytes);
     const Q45kRegs q = q45k_regs<Q5>(b);
     __m512i v[R];
     for (int r = 0; r < R; ++r) v[r] = q45k_lanes_dot(q, xp + (i * 4 * R + r) * 64, R * 64);
-    const VI S = reduce8<R>(v);
     alignas(16) int32_t mp[4];  // mins (2t, 2t + 1) as i16 pairs
     _mm_store_si128(reinterpret_cast<__m128i*>(mp), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(q.mn))));
-    VI Mn = zero();
-    for (int t = 0; t < 4; ++t)
-      Mn = add32(Mn, madd(_mm256_maskz_loadu_epi32(rows, a.bsT.data() + (i * 4 + t) * a.M + m0), _mm256_set1_epi32(mp[t])));
-    const VF dx = _mm256_maskz_loadu_ps(rows, a.dT.data() + i * a.M + m0);
-    const VF mv = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_set1_ps(fp16(b + 2))));
-    fr = _mm256_add_ps(fr, _mm256_fmsub_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_set1_ps(fp16(b))), mv));
+    const float d = fp16(b), dmin = fp16(b + 2);
+    auto step = [&](auto n, int h, __mmask8 rows) {  // rows 8h.. of the group, n of them
+      const VI S = reduce8<decltype(n)::value>(v + 8 * h);
+      const int64_t mh = m0 + 8 * h;
+      VI Mn = zero();
+      for (int t = 0; t < 4; ++t)
+        Mn = add32(Mn, madd(_mm256_maskz_loadu_epi32(rows, a.bsT.data() + (i * 4 + t) * a.M + mh), _mm256_set1_epi32(mp[t])));
+      const VF dx = _mm256_maskz_loadu_ps(rows, a.dT.data() + i * a.M + mh);
+      const VF mv = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_set1_ps(dmin)));
+      fr[h] = _mm256_add_ps(fr[h], _mm256_fmsub_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_set1_ps(d)), mv));
+    };
+    step(std::integral_constant<int, R0>{}, 0, rows0);
+    if constexpr (R1 > 0) step(std::integral_constant<int, R1>{}, 1, rows1);
   }
-  _mm256_mask_storeu_ps(out, rows, fr);
+  _mm256_mask_storeu_ps(out, rows0, fr[0]);
+  if (R1 > 0) _mm256_mask_storeu_ps(out + 8, rows1, fr[1]);
 }
 
 // A row alone: no other rows share the horizontal sums of S and Mn, so 8 blocks' sums go through one tree
@@ -986,18 +1004,26 @@ template <int R>
 void dot_q6k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const int8_t* xp = a.q6perm(m0);
   const int32_t* op = a.o6group(m0);
-  constexpr __mmask8 rows = static_cast<__mmask8>((1u << R) - 1);
-  VF fr = fzero();
+  constexpr int R0 = R < 8 ? R : 8, R1 = R - R0;  // rows of the first and the second tree
+  constexpr __mmask8 rows0 = static_cast<__mmask8>((1u << R0) - 1), rows1 = static_cast<__mmask8>((1u << R1) - 1);
+  VF fr[2] = {fzero(), fzero()};
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = w + i * 210;
     prefetch_ahead(b, 210);
     const Q6kRegs q = q6k_regs(b);
     __m512i v[R];
     for (int r = 0; r < R; ++r) v[r] = q6k_lanes_dot(q, xp + (i * 4 * R + r) * 64, R * 64, op + (i * R + r) * 16);
-    const VF dx = _mm256_maskz_loadu_ps(rows, a.dT.data() + i * a.M + m0);
-    fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8<R>(v)), _mm256_mul_ps(dx, _mm256_set1_ps(fp16(b + 208))), fr);
+    const float d = fp16(b + 208);
+    auto step = [&](auto n, int h, __mmask8 rows) {  // rows 8h.. of the group, n of them
+      const VI S = reduce8<decltype(n)::value>(v + 8 * h);
+      const VF dx = _mm256_maskz_loadu_ps(rows, a.dT.data() + i * a.M + m0 + 8 * h);
+      fr[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_set1_ps(d)), fr[h]);
+    };
+    step(std::integral_constant<int, R0>{}, 0, rows0);
+    if constexpr (R1 > 0) step(std::integral_constant<int, R1>{}, 1, rows1);
   }
-  _mm256_mask_storeu_ps(out, rows, fr);
+  _mm256_mask_storeu_ps(out, rows0, fr[0]);
+  if (R1 > 0) _mm256_mask_storeu_ps(out + 8, rows1, fr[1]);
 }
 
 // A row alone: 8 blocks' S through one tree, the fmas into f in block order (step6's operations).
@@ -1102,6 +1128,16 @@ void dot_q32_z(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* o
     out[r] = hsum(fadd(even, odd));
   }
 }
+// A group of a 32-value type: more than 8 rows in two passes over the channel (in L1 for the second).
+template <int R, int64_t T>
+void dot_q32_zg(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  if constexpr (R <= 8) {
+    dot_q32_z<R, T>(w, nb, a, m0, out);
+  } else {
+    dot_q32_z<8, T>(w, nb, a, m0, out);
+    dot_q32_z<R - 8, T>(w, nb, a, m0 + 8, out + 8);
+  }
+}
 #endif
 
 using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
@@ -1113,9 +1149,9 @@ DotFn dot_for(int64_t type) {
     case kQ4_K: if constexpr (R == 1) return &dot_q45k_fl1<false>; else return &dot_q45k_fl<R, false>;
     case kQ5_K: if constexpr (R == 1) return &dot_q45k_fl1<true>; else return &dot_q45k_fl<R, true>;
     case kQ6_K: if constexpr (R == 1) return &dot_q6k_fl1; else return &dot_q6k_fl<R>;
-    case kQ8_0: return &dot_q32_z<R, kQ8_0>;
-    case kQ4_0: return &dot_q32_z<R, kQ4_0>;
-    case kQ5_0: return &dot_q32_z<R, kQ5_0>;
+    case kQ8_0: return &dot_q32_zg<R, kQ8_0>;
+    case kQ4_0: return &dot_q32_zg<R, kQ4_0>;
+    case kQ5_0: return &dot_q32_zg<R, kQ5_0>;
   }
 #endif
   switch (type) {
@@ -1140,6 +1176,10 @@ DotFn dot_fn(int64_t type, int rows) {
     case 6: return dot_for<6>(type);
     case 7: return dot_for<7>(type);
     case 8: return dot_for<8>(type);
+    case 9: return dot_for<9>(type);
+    case 10: return dot_for<10>(type);
+    case 11: return dot_for<11>(type);
+    case 12: return dot_for<12>(type);
 #endif
   }
   return nullptr;
@@ -1490,7 +1530,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
       tile_n0.push_back(n);
     }
   const int64_t ntiles = static_cast<int64_t>(tile_seg.size());
-  const int64_t ngroups = (M + kMaxRows - 1) / kMaxRows;
+  const int64_t ngroups = row_groups(M);
   std::atomic<int64_t> next{0};
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
   const bool out_bf16 = x.scalar_type() == at::kBFloat16;
@@ -1529,8 +1569,8 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
       }
 #endif
       for (int64_t g = 0; g < ngroups; ++g) {
-        const int64_t m0 = g * kMaxRows;
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+        const int64_t m0 = group_start(M, g);
+        const int rows = static_cast<int>(group_start(M, g + 1) - m0);
         const DotFn fn = dot_fn(type, rows);
         const Dot2Fn fn2 = dot2_fn(type, rows);
         auto store = [&](int64_t n, const float* v) {
