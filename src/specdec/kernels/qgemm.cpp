@@ -429,47 +429,31 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
   a.qg.clear();
   a.sg.clear();
   a.qp.clear();
-  if (bs == 256) {  // value v of register g, 64 bytes: the quant q45k_lane(g, v) of the block
+  if (bs == 256) {  // each group's rows interleaved block by block, in the orders its kernels read
     const int64_t nb = K / 256;
+    const bool natural = M >= 2;  // qg / sg: the file's order, for the two-channel kernels
     a.qp.resize(M * K);
     a.q6.resize(M * K);
     a.o6.resize(M * (K / 16));
-    for (int64_t g = 0; g < row_groups(M); ++g) {
-      const int64_t m0 = group_start(M, g), R = group_start(M, g + 1) - m0;
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < nb; ++i) {
-          const int8_t* src = a.q.data() + (m0 + r) * K + i * 256;
-          for (int c = 0; c < 4; ++c) {
-            int8_t* dst = a.q6.data() + m0 * K + ((i * 4 + c) * R + r) * 64;
-            for (int L = 0; L < 16; ++L) std::memcpy(dst + 4 * L, src + 16 * q6k_sub(L) + 4 * c, 4);
-          }
-          for (int L = 0; L < 16; ++L)
-            a.o6[m0 * (K / 16) + (i * R + r) * 16 + L] = -32 * a.s[(m0 + r) * (K / 16) + i * 16 + q6k_sub(L)];
-        }
+    if (natural) {
+      a.qg.resize(M * K);
+      a.sg.resize(M * (K / 16));
     }
     for (int64_t g = 0; g < row_groups(M); ++g) {
       const int64_t m0 = group_start(M, g), R = group_start(M, g + 1) - m0;
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < nb; ++i) {
           const int8_t* src = a.q.data() + (m0 + r) * K + i * 256;
-          for (int g = 0; g < 4; ++g) {
-            int8_t* dst = a.qp.data() + m0 * K + ((i * 4 + g) * R + r) * 64;
-            for (int v = 0; v < 64; v += 8) std::memcpy(dst + v, src + q45k_lane(g, v), 8);
+          const int16_t* sums = a.s.data() + (m0 + r) * (K / 16) + i * 16;
+          for (int c = 0; c < 4; ++c) {  // register c of the block: 64 bytes in each order
+            const int64_t at = m0 * K + ((i * 4 + c) * R + r) * 64;
+            for (int v = 0; v < 64; v += 8) std::memcpy(a.qp.data() + at + v, src + q45k_lane(c, v), 8);
+            for (int L = 0; L < 16; ++L) std::memcpy(a.q6.data() + at + 4 * L, src + 16 * q6k_sub(L) + 4 * c, 4);
+            if (natural) std::memcpy(a.qg.data() + at, src + 64 * c, 64);
           }
-        }
-    }
-  }
-  if (bs == 256 && M >= 2) {
-    const int64_t nb = K / 256;
-    a.qg.resize(M * K);
-    a.sg.resize(M * (K / 16));
-    for (int64_t g = 0; g < row_groups(M); ++g) {
-      const int64_t m0 = group_start(M, g), R = group_start(M, g + 1) - m0;
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < nb; ++i) {
-          for (int c = 0; c < 4; ++c)
-            std::memcpy(a.qg.data() + m0 * K + ((i * 4 + c) * R + r) * 64, a.q.data() + (m0 + r) * K + i * 256 + c * 64, 64);
-          std::memcpy(a.sg.data() + m0 * (K / 16) + (i * R + r) * 16, a.s.data() + (m0 + r) * (K / 16) + i * 16, 32);
+          const int64_t at16 = m0 * (K / 16) + (i * R + r) * 16;
+          for (int L = 0; L < 16; ++L) a.o6[at16 + L] = -32 * sums[q6k_sub(L)];
+          if (natural) std::memcpy(a.sg.data() + at16, sums, 32);
         }
     }
   }
