@@ -30,10 +30,10 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -805,8 +805,8 @@ void dot_q6k_zc(const uint8_t* const* w, int64_t nb, const Acts& a, int64_t m0, 
 // accumulate over two registers before a scale is applied: per row, 4 u8 x s8 dot products (VNNI) and 2
 // i16 multiply-adds by the scales (the lane sums fit 16 bits: 8 quants below 32 times activations in
 // [-127, 127]), where the kernels on the file's order of quants need 4 u8 x s8 products to i16 and 4 i16
-// multiply-adds (and word shifts and permutes per block). S and Mn are the exact integers of the other kernels, so the fp32 steps,
-// and the bits, are theirs.
+// multiply-adds (and word shifts and permutes per block). S and Mn are the exact integers of the other
+// kernels, so the fp32 steps, and the bits, are theirs.
 struct Q45kRegs {
   __m512i q[4];    // the quants in the lanes of `q45k_lane`
   __m512i sc[2];   // per 32-bit lane: the scale of its even (odd) sub-block as i16, then 0
@@ -856,7 +856,7 @@ inline __m512i q45k_lanes_dot(const Q45kRegs& w, const int8_t* x, int64_t stride
   return _mm512_dpwssd_epi32(_mm512_madd_epi16(even, w.sc[0]), odd, w.sc[1]);
 }
 
-// R = 2..8 rows side by side: one tree for the rows' S, Mn from their sub-block sums, one vector fp32 step.
+// R = 2..12 rows side by side: a tree for (up to 8) rows' S, Mn from their sub-block sums, a vector fp32 step.
 template <int R, bool Q5>
 void dot_q45k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const int8_t* xp = a.qperm(m0);
@@ -887,7 +887,7 @@ void dot_q45k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float*
     if constexpr (R1 > 0) step(std::integral_constant<int, R1>{}, 1, rows1);
   }
   _mm256_mask_storeu_ps(out, rows0, fr[0]);
-  if (R1 > 0) _mm256_mask_storeu_ps(out + 8, rows1, fr[1]);
+  if constexpr (R1 > 0) _mm256_mask_storeu_ps(out + 8, rows1, fr[1]);
 }
 
 // A row alone: no other rows share the horizontal sums of S and Mn, so 8 blocks' sums go through one tree
@@ -983,7 +983,7 @@ inline __m512i q6k_lanes_dot(const Q6kRegs& w, const int8_t* x, int64_t stride, 
   return _mm512_mullo_epi32(acc, w.sc);
 }
 
-// R = 2..8 rows side by side: one tree for the rows' S, one vector fp32 step.
+// R = 2..12 rows side by side: a tree for (up to 8) rows' S, a vector fp32 step.
 template <int R>
 void dot_q6k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   const int8_t* xp = a.q6perm(m0);
@@ -1007,7 +1007,7 @@ void dot_q6k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
     if constexpr (R1 > 0) step(std::integral_constant<int, R1>{}, 1, rows1);
   }
   _mm256_mask_storeu_ps(out, rows0, fr[0]);
-  if (R1 > 0) _mm256_mask_storeu_ps(out + 8, rows1, fr[1]);
+  if constexpr (R1 > 0) _mm256_mask_storeu_ps(out + 8, rows1, fr[1]);
 }
 
 // A row alone: 8 blocks' S through one tree, the fmas into f in block order (step6's operations).
