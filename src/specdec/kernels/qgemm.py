@@ -4,7 +4,7 @@ One build per instruction set, picked from the CPU's flags at run time:
 
 - `avx512amx`: the `avx512vnni` kernels, and passes of 12 rows or more on k-quant weights multiplied on the
   AMX tile unit (Sapphire Rapids and later; used when the compiler knows AMX and the OS allows it);
-- `avx512vnni`: AVX-512 BW/VNNI on 512-bit vectors, 8 rows per weight pass;
+- `avx512vnni`: AVX-512 BW/VNNI on 512-bit vectors, up to 12 rows per weight pass (k-quants in fixed lanes);
 - `avx2`: AVX2 + FMA (the baseline of x86 CPUs since 2013), 4 rows per weight pass;
 - `generic`: portable C++ that computes the same integers and fp32 steps in scalar code (correct, slower).
 
