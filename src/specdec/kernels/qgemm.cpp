@@ -942,6 +942,61 @@ void dot_q45k_fl1(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float
   *out = f;
 }
 
+// Two rows: 4 blocks x 2 rows share one tree (lane 2k + r: block i0 + k, row r), as a row alone shares it
+// among 8 blocks, instead of a tree, the rows' Mn and a vector step per block; the adds into each row's f
+// stay in block order (step45's operations: the same bits).
+template <bool Q5>
+void dot_q45k_fl2(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  const int8_t* xp = a.qperm(m0);
+  const int16_t* s32h[2] = {a.s32hrow(m0), a.s32hrow(m0 + 1)};
+  const float* dxr[2] = {a.drow(m0), a.drow(m0 + 1)};
+  constexpr int64_t bytes = Q5 ? 176 : 144;
+  const __m512i gather = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 12, 24, 8, 20, 4, 16, 0);  // 2k + r: 16r + 4k
+  const __m256i pair = _mm256_set_epi32(11, 3, 10, 2, 9, 1, 8, 0);  // 2k + r: row r's block k
+  float f[2] = {0.f, 0.f};
+  for (int64_t i0 = 0; i0 < nb; i0 += 4) {
+    const int n = static_cast<int>(std::min<int64_t>(4, nb - i0));
+    alignas(32) float d[8] = {}, dmin[8] = {};
+    alignas(32) uint64_t mins[4] = {};
+    __m512i acc[8];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      acc[2 * k] = acc[2 * k + 1] = _mm512_setzero_si512();
+      if (k >= n) continue;
+      const int64_t i = i0 + k;
+      const uint8_t* b = w + i * bytes;
+      prefetch_ahead(b, bytes);
+      d[2 * k] = d[2 * k + 1] = fp16(b);
+      dmin[2 * k] = dmin[2 * k + 1] = fp16(b + 2);
+      const Q45kRegs q = q45k_regs<Q5>(b);
+      for (int r = 0; r < 2; ++r) acc[2 * k + r] = q45k_lanes_dot(q, xp + (i * 8 + r) * 64, 128);
+      mins[k] = q.mn;
+    }
+    const VI S = reduce8<8>(acc);
+    const __m512i mz = _mm512_cvtepu8_epi16(load(mins));
+    const __mmask32 live = n == 4 ? ~0u : (1u << (8 * n)) - 1;  // the i16 sums of the n blocks
+    __m512i p[2];
+    for (int r = 0; r < 2; ++r) {
+      p[r] = _mm512_madd_epi16(mz, _mm512_maskz_loadu_epi16(live, s32h[r] + i0 * 8));
+      p[r] = _mm512_add_epi32(p[r], _mm512_shuffle_epi32(p[r], static_cast<_MM_PERM_ENUM>(0x4E)));
+      p[r] = _mm512_add_epi32(p[r], _mm512_shuffle_epi32(p[r], static_cast<_MM_PERM_ENUM>(0xB1)));
+    }
+    const VI Mn = _mm512_castsi512_si256(_mm512_permutex2var_epi32(p[0], gather, p[1]));
+    const __mmask8 blocks = static_cast<__mmask8>((1u << n) - 1);
+    const VF dx = _mm256_permutex2var_ps(_mm256_maskz_loadu_ps(blocks, dxr[0] + i0), pair,
+                                         _mm256_maskz_loadu_ps(blocks, dxr[1] + i0));
+    const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_load_ps(dmin)));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_fmsub_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_load_ps(d)), m));
+    for (int k = 0; k < n; ++k) {
+      f[0] += t[2 * k];
+      f[1] += t[2 * k + 1];
+    }
+  }
+  out[0] = f[0];
+  out[1] = f[1];
+}
+
 // Q6_K with the quants in fixed lanes: 32-bit lane L of each of the 4 registers holds 4 quants of sub-block
 // q6k_sub(L) (its values 4c..4c + 3 in register c). The low nibbles of 64 bytes of a half-block are 4
 // whole sub-blocks, one per 128-bit lane, and so are their high nibbles; their 2 high bits come from the
@@ -1130,8 +1185,14 @@ template <int R>
 DotFn dot_for(int64_t type) {
 #if defined(SPECDEC_Z512)
   switch (type) {  // the k-quants of a row alone: its blocks side by side
-    case kQ4_K: if constexpr (R == 1) return &dot_q45k_fl1<false>; else return &dot_q45k_fl<R, false>;
-    case kQ5_K: if constexpr (R == 1) return &dot_q45k_fl1<true>; else return &dot_q45k_fl<R, true>;
+    case kQ4_K:
+      if constexpr (R == 1) return &dot_q45k_fl1<false>;
+      else if constexpr (R == 2) return &dot_q45k_fl2<false>;
+      else return &dot_q45k_fl<R, false>;
+    case kQ5_K:
+      if constexpr (R == 1) return &dot_q45k_fl1<true>;
+      else if constexpr (R == 2) return &dot_q45k_fl2<true>;
+      else return &dot_q45k_fl<R, true>;
     case kQ6_K: if constexpr (R == 1) return &dot_q6k_fl1; else return &dot_q6k_fl<R>;
     case kQ8_0: return &dot_q32_zg<R, kQ8_0>;
     case kQ4_0: return &dot_q32_zg<R, kQ4_0>;
