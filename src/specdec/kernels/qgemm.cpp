@@ -299,7 +299,7 @@ struct Acts {
   // (2t, 2t + 1) as an i16 pair
   std::vector<float> dT;
   std::vector<int32_t> bsT;
-  // bs = 256, the 512-bit kernels, M >= 2: each group of rows (`group_start`) interleaved so
+  // bs = 256, the 512-bit two-channel kernels, M = 2: the group of 2 rows interleaved so
   // that a group's rows are read from one pointer: qg (from m0 K) [block][64-value chunk][row][64], sg (from
   // m0 K / 16) [block][row][16 sums]
   std::vector<int8_t> qg;
@@ -394,7 +394,10 @@ inline void bf16_to_f32(const at::BFloat16* x, int64_t n, float* y) {
   for (; k < n; ++k) y[k] = static_cast<float>(x[k]);
 }
 
-void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
+// `orders` (bs = 256, the 512-bit builds): which of the kernels' orders to lay out, a bit each: kOrderQ45 (qp,
+// Q4_K / Q5_K), kOrderQ6 (q6 and o6, Q6_K); the file's order for the two-channel kernels (qg, sg) when M = 2.
+enum : int { kOrderQ45 = 1, kOrderQ6 = 2 };
+void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a, int orders = kOrderQ45 | kOrderQ6) {
   const int64_t M = x.size(0), K = x.size(1);
   a.K = K;
   a.bs = bs;
@@ -431,10 +434,14 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
   a.qp.clear();
   if (bs == 256) {  // each group's rows interleaved block by block, in the orders its kernels read
     const int64_t nb = K / 256;
-    const bool natural = M >= 2;  // qg / sg: the file's order, for the two-channel kernels
-    a.qp.resize(M * K);
-    a.q6.resize(M * K);
-    a.o6.resize(M * (K / 16));
+    // qg / sg: the two-channel kernels run groups of 2 rows (even groups have 2 rows only when M = 2; one row
+    // reads q itself)
+    const bool natural = M == 2, q45 = orders & kOrderQ45, q6 = orders & kOrderQ6;
+    if (q45) a.qp.resize(M * K);
+    if (q6) {
+      a.q6.resize(M * K);
+      a.o6.resize(M * (K / 16));
+    }
     if (natural) {
       a.qg.resize(M * K);
       a.sg.resize(M * (K / 16));
@@ -447,12 +454,15 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a) {
           const int16_t* sums = a.s.data() + (m0 + r) * (K / 16) + i * 16;
           for (int c = 0; c < 4; ++c) {  // register c of the block: 64 bytes in each order
             const int64_t at = m0 * K + ((i * 4 + c) * R + r) * 64;
-            for (int v = 0; v < 64; v += 8) std::memcpy(a.qp.data() + at + v, src + q45k_lane(c, v), 8);
-            for (int L = 0; L < 16; ++L) std::memcpy(a.q6.data() + at + 4 * L, src + 16 * q6k_sub(L) + 4 * c, 4);
+            if (q45)
+              for (int v = 0; v < 64; v += 8) std::memcpy(a.qp.data() + at + v, src + q45k_lane(c, v), 8);
+            if (q6)
+              for (int L = 0; L < 16; ++L) std::memcpy(a.q6.data() + at + 4 * L, src + 16 * q6k_sub(L) + 4 * c, 4);
             if (natural) std::memcpy(a.qg.data() + at, src + 64 * c, 64);
           }
           const int64_t at16 = m0 * (K / 16) + (i * R + r) * 16;
-          for (int L = 0; L < 16; ++L) a.o6[at16 + L] = -32 * sums[q6k_sub(L)];
+          if (q6)
+            for (int L = 0; L < 16; ++L) a.o6[at16 + L] = -32 * sums[q6k_sub(L)];
           if (natural) std::memcpy(a.sg.data() + at16, sums, 32);
         }
     }
@@ -890,111 +900,75 @@ void dot_q45k_fl(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float*
   if constexpr (R1 > 0) _mm256_mask_storeu_ps(out + 8, rows1, fr[1]);
 }
 
-// A row alone: no other rows share the horizontal sums of S and Mn, so 8 blocks' sums go through one tree
-// each and the fp32 steps' products run on their 8 lanes at once; the adds into f stay one after the
-// other, in block order (lane k's operations are step45's for block i0 + k: the same bits).
-template <bool Q5>
-void dot_q45k_fl1(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
-  const int8_t* xp = a.qperm(m0);
-  const int16_t* s32h = a.s32hrow(m0);
-  const float* dxr = a.drow(m0);
+// One or two rows: no other rows share the horizontal sums of S and Mn, so B = 8 / R blocks x R rows go
+// through one tree (lane kR + r: block i0 + k, row r), and the fp32 steps' products run on those 8 lanes at
+// once, where the kernel above runs a tree, the rows' Mn and a vector step per block. The adds into each
+// row's f stay one after the other, in block order (lane kR + r's operations are step45's: the same bits).
+// Mn for the B blocks at once: their mins (as i16) times each row's sums of 32 quants, multiplied and added
+// by pairs, then the 4 lanes of each block (a 128-bit lane) summed.
+template <int R, bool Q5>
+void dot_q45k_flb(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  static_assert(R == 1 || R == 2, "one or two rows");
+  constexpr int B = 8 / R, H = B / 4;  // blocks a tree, and 4-block halves of them
   constexpr int64_t bytes = Q5 ? 176 : 144;
-  // Mn of 8 blocks at once: their mins (as i16) times the row's sums of 32 quants, multiplied and added by
-  // pairs, then the 4 lanes of each block (a 128-bit lane) summed
-  const __m512i gather = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-  float f = 0.f;
-  for (int64_t i0 = 0; i0 < nb; i0 += 8) {
-    const int n = static_cast<int>(std::min<int64_t>(8, nb - i0));
+  const int8_t* xp = a.qperm(m0);
+  const int16_t* s32h[R];
+  const float* dxr[R];
+  for (int r = 0; r < R; ++r) {
+    s32h[r] = a.s32hrow(m0 + r);
+    dxr[r] = a.drow(m0 + r);
+  }
+  alignas(32) int32_t pick[8];  // lane kR + r: lane 4 (k % 4) of Mn's sums for (half k / 4, row r)
+  for (int k = 0; k < B; ++k)
+    for (int r = 0; r < R; ++r) pick[k * R + r] = 16 * (R == 1 ? k / 4 : r) + 4 * (k % 4);
+  const __m512i gather = _mm512_zextsi256_si512(load(pick));
+  float f[R] = {};
+  for (int64_t i0 = 0; i0 < nb; i0 += B) {
+    const int n = static_cast<int>(std::min<int64_t>(B, nb - i0));
     alignas(32) float d[8] = {}, dmin[8] = {};
     alignas(64) uint64_t mins[8] = {};
     __m512i acc[8];
 #pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) {
-      acc[k] = _mm512_setzero_si512();
+    for (int k = 0; k < B; ++k) {
+      for (int r = 0; r < R; ++r) acc[k * R + r] = _mm512_setzero_si512();
       if (k >= n) continue;
       const int64_t i = i0 + k;
       const uint8_t* b = w + i * bytes;
       prefetch_ahead(b, bytes);
-      d[k] = fp16(b);
-      dmin[k] = fp16(b + 2);
       const Q45kRegs q = q45k_regs<Q5>(b);
-      acc[k] = q45k_lanes_dot(q, xp + i * 256, 64);
+      for (int r = 0; r < R; ++r) {
+        d[k * R + r] = fp16(b);
+        dmin[k * R + r] = fp16(b + 2);
+        acc[k * R + r] = q45k_lanes_dot(q, xp + (i * 4 * R + r) * 64, R * 64);
+      }
       mins[k] = q.mn;
     }
     const VI S = reduce8<8>(acc);
-    const __m512i mb = _mm512_load_si512(mins);
-    const uint64_t live = n == 8 ? ~0ull : (1ull << (8 * n)) - 1;  // the i16 sums of the n blocks
-    __m512i p0 = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(mb)),
-                                   _mm512_maskz_loadu_epi16(static_cast<__mmask32>(live), s32h + i0 * 8));
-    __m512i p1 = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(mb, 1)),
-                                   _mm512_maskz_loadu_epi16(static_cast<__mmask32>(live >> 32), s32h + i0 * 8 + 32));
-    p0 = _mm512_add_epi32(p0, _mm512_shuffle_epi32(p0, static_cast<_MM_PERM_ENUM>(0x4E)));
-    p1 = _mm512_add_epi32(p1, _mm512_shuffle_epi32(p1, static_cast<_MM_PERM_ENUM>(0x4E)));
-    p0 = _mm512_add_epi32(p0, _mm512_shuffle_epi32(p0, static_cast<_MM_PERM_ENUM>(0xB1)));
-    p1 = _mm512_add_epi32(p1, _mm512_shuffle_epi32(p1, static_cast<_MM_PERM_ENUM>(0xB1)));
-    const VI Mn = _mm512_castsi512_si256(_mm512_permutex2var_epi32(p0, gather, p1));
-    const VF dx = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), dxr + i0);
-    const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_load_ps(dmin)));
-    alignas(32) float t[8];
-    _mm256_store_ps(t, _mm256_fmsub_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_load_ps(d)), m));
-    for (int k = 0; k < n; ++k) f += t[k];
-  }
-  *out = f;
-}
-
-// Two rows: 4 blocks x 2 rows share one tree (lane 2k + r: block i0 + k, row r), as a row alone shares it
-// among 8 blocks, instead of a tree, the rows' Mn and a vector step per block; the adds into each row's f
-// stay in block order (step45's operations: the same bits).
-template <bool Q5>
-void dot_q45k_fl2(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
-  const int8_t* xp = a.qperm(m0);
-  const int16_t* s32h[2] = {a.s32hrow(m0), a.s32hrow(m0 + 1)};
-  const float* dxr[2] = {a.drow(m0), a.drow(m0 + 1)};
-  constexpr int64_t bytes = Q5 ? 176 : 144;
-  const __m512i gather = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 12, 24, 8, 20, 4, 16, 0);  // 2k + r: 16r + 4k
-  const __m256i pair = _mm256_set_epi32(11, 3, 10, 2, 9, 1, 8, 0);  // 2k + r: row r's block k
-  float f[2] = {0.f, 0.f};
-  for (int64_t i0 = 0; i0 < nb; i0 += 4) {
-    const int n = static_cast<int>(std::min<int64_t>(4, nb - i0));
-    alignas(32) float d[8] = {}, dmin[8] = {};
-    alignas(32) uint64_t mins[4] = {};
-    __m512i acc[8];
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      acc[2 * k] = acc[2 * k + 1] = _mm512_setzero_si512();
-      if (k >= n) continue;
-      const int64_t i = i0 + k;
-      const uint8_t* b = w + i * bytes;
-      prefetch_ahead(b, bytes);
-      d[2 * k] = d[2 * k + 1] = fp16(b);
-      dmin[2 * k] = dmin[2 * k + 1] = fp16(b + 2);
-      const Q45kRegs q = q45k_regs<Q5>(b);
-      for (int r = 0; r < 2; ++r) acc[2 * k + r] = q45k_lanes_dot(q, xp + (i * 8 + r) * 64, 128);
-      mins[k] = q.mn;
-    }
-    const VI S = reduce8<8>(acc);
-    const __m512i mz = _mm512_cvtepu8_epi16(load(mins));
-    const __mmask32 live = n == 4 ? ~0u : (1u << (8 * n)) - 1;  // the i16 sums of the n blocks
-    __m512i p[2];
-    for (int r = 0; r < 2; ++r) {
-      p[r] = _mm512_madd_epi16(mz, _mm512_maskz_loadu_epi16(live, s32h[r] + i0 * 8));
-      p[r] = _mm512_add_epi32(p[r], _mm512_shuffle_epi32(p[r], static_cast<_MM_PERM_ENUM>(0x4E)));
-      p[r] = _mm512_add_epi32(p[r], _mm512_shuffle_epi32(p[r], static_cast<_MM_PERM_ENUM>(0xB1)));
-    }
+    const uint64_t live = n == B ? ~0ull : (1ull << (8 * n)) - 1;  // the i16 sums of the n blocks
+    __m512i p[2];  // (half, row) pairs: R = 1: halves 0, 1; R = 2: rows 0, 1
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < R; ++r) {
+        __m512i v = _mm512_madd_epi16(_mm512_cvtepu8_epi16(load(mins + 4 * h)),
+                                      _mm512_maskz_loadu_epi16(static_cast<__mmask32>(live >> (32 * h)), s32h[r] + (i0 + 4 * h) * 8));
+        v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, static_cast<_MM_PERM_ENUM>(0x4E)));
+        p[h + r] = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, static_cast<_MM_PERM_ENUM>(0xB1)));
+      }
     const VI Mn = _mm512_castsi512_si256(_mm512_permutex2var_epi32(p[0], gather, p[1]));
     const __mmask8 blocks = static_cast<__mmask8>((1u << n) - 1);
-    const VF dx = _mm256_permutex2var_ps(_mm256_maskz_loadu_ps(blocks, dxr[0] + i0), pair,
-                                         _mm256_maskz_loadu_ps(blocks, dxr[1] + i0));
+    VF dx;
+    if constexpr (R == 1) {
+      dx = _mm256_maskz_loadu_ps(blocks, dxr[0] + i0);
+    } else {  // lane 2k + r: row r's block k
+      dx = _mm256_permutex2var_ps(_mm256_maskz_loadu_ps(blocks, dxr[0] + i0), _mm256_set_epi32(11, 3, 10, 2, 9, 1, 8, 0),
+                                  _mm256_maskz_loadu_ps(blocks, dxr[R - 1] + i0));
+    }
     const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(dx, _mm256_load_ps(dmin)));
     alignas(32) float t[8];
     _mm256_store_ps(t, _mm256_fmsub_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dx, _mm256_load_ps(d)), m));
-    for (int k = 0; k < n; ++k) {
-      f[0] += t[2 * k];
-      f[1] += t[2 * k + 1];
-    }
+    for (int k = 0; k < n; ++k)
+      for (int r = 0; r < R; ++r) f[r] += t[k * R + r];
   }
-  out[0] = f[0];
-  out[1] = f[1];
+  for (int r = 0; r < R; ++r) out[r] = f[r];
 }
 
 // Q6_K with the quants in fixed lanes: 32-bit lane L of each of the 4 registers holds 4 quants of sub-block
@@ -1185,14 +1159,8 @@ template <int R>
 DotFn dot_for(int64_t type) {
 #if defined(SPECDEC_Z512)
   switch (type) {  // the k-quants of a row alone: its blocks side by side
-    case kQ4_K:
-      if constexpr (R == 1) return &dot_q45k_fl1<false>;
-      else if constexpr (R == 2) return &dot_q45k_fl2<false>;
-      else return &dot_q45k_fl<R, false>;
-    case kQ5_K:
-      if constexpr (R == 1) return &dot_q45k_fl1<true>;
-      else if constexpr (R == 2) return &dot_q45k_fl2<true>;
-      else return &dot_q45k_fl<R, true>;
+    case kQ4_K: if constexpr (R <= 2) return &dot_q45k_flb<R, false>; else return &dot_q45k_fl<R, false>;
+    case kQ5_K: if constexpr (R <= 2) return &dot_q45k_flb<R, true>; else return &dot_q45k_fl<R, true>;
     case kQ6_K: if constexpr (R == 1) return &dot_q6k_fl1; else return &dot_q6k_fl<R>;
     case kQ8_0: return &dot_q32_zg<R, kQ8_0>;
     case kQ4_0: return &dot_q32_zg<R, kQ4_0>;
@@ -1530,6 +1498,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> starts{0};
   bool need32 = false, need256 = false;
+  int orders = 0;  // the 256-value blocks' activation orders the kernels will read (quantize_rows)
   for (size_t s = 0; s < ws.size(); ++s) {
     const int64_t t = types[s], bb = block_bytes(t);
     TORCH_CHECK(bb > 0, "qmm: unsupported block type ", t);
@@ -1539,6 +1508,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
                 "qmm: weights must be contiguous uint8 [N, row_bytes]");
     TORCH_CHECK(ws[s].size(1) == K / bs * bb, "qmm: weight rows of ", ws[s].size(1), " bytes do not hold K = ", K);
     (is_k_quant(t) ? need256 : need32) = true;
+    orders |= t == kQ6_K ? kOrderQ6 : (t == kQ4_K || t == kQ5_K ? kOrderQ45 : 0);
     starts.push_back(starts.back() + ws[s].size(0));
   }
   const int64_t N = starts.back();
@@ -1554,7 +1524,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
 
   Acts a32, a256;
   if (need32) quantize_rows(x, 32, a32);
-  if (need256) quantize_rows(x, 256, a256);
+  if (need256) quantize_rows(x, 256, a256, orders);
 #if defined(SPECDEC_AMX)
   // many rows on k-quants: the tile unit (the same bits as the vector kernels)
   const bool amx = need256 && M >= kAmxMinRows && amx_ok();
