@@ -52,6 +52,8 @@ namespace {
 
 // GGML type ids (ggml.h)
 enum : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// Q4_K blocks of 16 channels interleaved (`repack_q4k_x16`): not a GGML type, the kernels' own layout
+constexpr int64_t kQ4_KX16 = 112;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr int kMaxRows = 12;  // 32 vector registers: the k-quants' fixed lanes keep one a row (two trees: 8 and
@@ -294,6 +296,8 @@ struct Acts {
   std::vector<int16_t> s;        // [M][K / 16]: sums of 16 quants
   std::vector<int32_t> s32;      // [M][K / 32]: sums of 32 quants
   std::vector<int16_t> s32h;     // [M][K / 32]: the same as i16 (they fit)
+  std::vector<uint8_t> s32lo;    // [M][K / 32]: their low bytes
+  std::vector<int8_t> s32hi;     // [M][K / 32]: the rest (sum >> 8, in [-16, 15]): sum = lo + 256 hi
   std::vector<float> d;          // [M][K / bs]: block scales
   // bs = 256, rows side by side: dT [K / 256][M] block scales, bsT [K / 256][4][M] the sums of sub-blocks
   // (2t, 2t + 1) as an i16 pair
@@ -322,6 +326,8 @@ struct Acts {
   const int16_t* srow(int64_t m) const { return s.data() + m * (K / 16); }
   const int32_t* s32row(int64_t m) const { return s32.data() + m * (K / 32); }
   const int16_t* s32hrow(int64_t m) const { return s32h.data() + m * (K / 32); }
+  const uint8_t* s32lorow(int64_t m) const { return s32lo.data() + m * (K / 32); }
+  const int8_t* s32hirow(int64_t m) const { return s32hi.data() + m * (K / 32); }
   const float* drow(int64_t m) const { return d.data() + m * (K / bs); }
 };
 
@@ -405,6 +411,8 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a, int orders = kOrder
   a.s.resize(M * (K / 16));
   a.s32.resize(M * (K / 32));
   a.s32h.resize(M * (K / 32));
+  a.s32lo.resize(M * (K / 32));
+  a.s32hi.resize(M * (K / 32));
   a.d.resize(M * (K / bs));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
@@ -423,7 +431,10 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a, int orders = kOrder
       const int16_t* s16 = a.s.data() + m * (K / 16);
       for (int64_t g = 0; g < K / 32; ++g) {
         a.s32[m * (K / 32) + g] = s16[2 * g] + s16[2 * g + 1];
-        a.s32h[m * (K / 32) + g] = static_cast<int16_t>(s16[2 * g] + s16[2 * g + 1]);  // |sum| <= 32 x 127
+        const int32_t sum = s16[2 * g] + s16[2 * g + 1];  // |sum| <= 32 x 127
+        a.s32h[m * (K / 32) + g] = static_cast<int16_t>(sum);
+        a.s32lo[m * (K / 32) + g] = static_cast<uint8_t>(sum & 0xFF);
+        a.s32hi[m * (K / 32) + g] = static_cast<int8_t>(sum >> 8);
       }
     }
   });
@@ -1153,6 +1164,173 @@ void dot_q32_zg(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 }
 #endif
 
+// ---- Q4_K, 16 channels interleaved: the channels in the vector lanes ---------------------------------
+// `repack_q4k_x16` lays out each block of 16 channels (rows of the weight) side by side, 2368 bytes where
+// the file has 16 x 144: d and dmin of the 16 channels (fp16), the 8 six-bit scales unpacked to bytes
+// (sc[j][c]), the 8 mins likewise as 4-byte groups (mn[j / 4][c][j % 4]), then the quants: 32 registers of
+// 64 bytes whose byte 4c + t holds channel c's value 4u + t (register u) in its low nibble and value 128 +
+// 4u + t in its high one. A u8 x s8 dot product of a register's nibbles with 4 activations broadcast adds
+// 4 products into each of the 16 channels' lanes at once: no horizontal sums, no tree, and the fp32 steps
+// run on 16 channels at once. S and Mn are the exact integers of the other kernels, and the steps are
+// step45's lane by lane: the same bits.
+constexpr int64_t kX16Bytes = 2368, kX16Dmin = 32, kX16Sc = 64, kX16Mn = 192, kX16Qs = 320;
+// Each line of a block is asked for 32 KiB ahead into L2 (prefetcht2): this kernel consumes its stream about
+// 2.5x as fast as the file-order ones, and asking into L1 4 KiB ahead left it waiting on memory (from a
+// 116 MB matrix, one thread: 18.1 ns a block, 8.0 ns so; two threads 9.5 and 5.4 ns, about what a plain
+// read of memory reached that hour)
+constexpr int64_t kX16Ahead = 32768;
+
+at::Tensor repack_q4k_x16(at::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "repack_q4k_x16: uint8 [N, row_bytes] blocks");
+  const int64_t N = w.size(0), row = w.size(1), nb = row / 144;
+  TORCH_CHECK(N % 16 == 0 && row % 144 == 0, "repack_q4k_x16: N must be a multiple of 16 and rows whole Q4_K blocks");
+  auto out = at::empty({N / 16, nb * kX16Bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t i = 0; i < nb; ++i) {
+        uint8_t* o = dst + (g * nb + i) * kX16Bytes;
+        for (int c = 0; c < 16; ++c) {
+          const uint8_t* b = src + (g * 16 + c) * row + i * 144;
+          std::memcpy(o + 2 * c, b, 2);
+          std::memcpy(o + kX16Dmin + 2 * c, b + 2, 2);
+          uint64_t sc, mn;
+          k_scales_mins(b + 4, &sc, &mn);
+          for (int j = 0; j < 8; ++j) {
+            o[kX16Sc + 16 * j + c] = byte_of(sc, j);
+            o[kX16Mn + 64 * (j / 4) + 4 * c + j % 4] = byte_of(mn, j);
+          }
+          // register u < 8: values 4u.. of the file's chunks 0 (low nibbles) and 2; u < 16: their high nibbles
+          // (values 32 + ..); u < 24, u < 32: likewise from chunks 1 and 3
+          const uint8_t* qs = b + 16;
+          for (int u = 0; u < 32; ++u) {  // 4 values at a time
+            uint32_t lo, hi;
+            std::memcpy(&lo, qs + 32 * (u / 16) + 4 * (u % 8), 4);
+            std::memcpy(&hi, qs + 64 + 32 * (u / 16) + 4 * (u % 8), 4);
+            const uint32_t v = (u % 16) < 8 ? (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4)
+                                            : ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
+            std::memcpy(o + kX16Qs + 64 * u + 4 * c, &v, 4);
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// R rows x 16 channels; out[16 r + c]. The portable form (every build): the integers, then step45.
+template <int R>
+void dot_q4kx16_scalar(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 16; ++c) {
+      const int8_t* x = a.qrow(m0 + r);
+      float f = 0.f;
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* b = w + i * kX16Bytes;
+        int32_t S = 0, Mn = 0;
+        for (int j = 0; j < 8; ++j) {
+          int32_t A = 0;
+          for (int v = 32 * j; v < 32 * j + 32; ++v) {
+            const int u = (v % 128) / 4, t = v % 4;
+            A += ((b[kX16Qs + 64 * u + 4 * c + t] >> (v < 128 ? 0 : 4)) & 0xF) * x[i * 256 + v];
+          }
+          S += b[kX16Sc + 16 * j + c] * A;
+          Mn += b[kX16Mn + 64 * (j / 4) + 4 * c + j % 4] * a.s32row(m0 + r)[i * 8 + j];
+        }
+        f = step45(f, S, Mn, a.drow(m0 + r)[i], fp16(b + 2 * c), fp16(b + kX16Dmin + 2 * c));
+      }
+      out[16 * r + c] = f;
+    }
+}
+
+#if defined(SPECDEC_Z512)
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+// J sub-blocks (j0.., and j0 + 4..) of R rows at a time: 2 J R accumulators of 8 chained dot products each
+template <int R>
+void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  static_assert(R >= 1 && R <= 4, "one to four rows");
+  constexpr int J = R <= 2 ? 4 : 2;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
+  const int8_t* x[R];
+  const uint8_t* lo[R];
+  const int8_t* hi[R];
+  const float* dx[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = a.qrow(m0 + r);
+    lo[r] = a.s32lorow(m0 + r);
+    hi[r] = a.s32hirow(m0 + r);
+    dx[r] = a.drow(m0 + r);
+  }
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * kX16Bytes;
+    for (int64_t l = 0; l < kX16Qs; l += 64) __builtin_prefetch(b + kX16Ahead + l, 0, 1);
+    __m512i S[R];
+    for (int r = 0; r < R; ++r) S[r] = z;
+    for (int j0 = 0; j0 < 4; j0 += J) {
+      __m512i al[J][R], ah[J][R];  // sub-blocks j0 + jj and j0 + jj + 4
+      for (int jj = 0; jj < J; ++jj)
+        for (int r = 0; r < R; ++r) al[jj][r] = ah[jj][r] = z;
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k)
+        for (int jj = 0; jj < J; ++jj) {
+          const int u = 8 * (j0 + jj) + k;
+          __builtin_prefetch(b + kX16Ahead + kX16Qs + 64 * u, 0, 1);
+          const __m512i P = _mm512_loadu_si512(b + kX16Qs + 64 * u);
+          const __m512i ql = _mm512_and_si512(P, m4), qh = _mm512_and_si512(_mm512_srli_epi16(P, 4), m4);
+          for (int r = 0; r < R; ++r) {
+            al[jj][r] = _mm512_dpbusd_epi32(al[jj][r], ql, bcast32(x[r] + i * 256 + 4 * u));
+            ah[jj][r] = _mm512_dpbusd_epi32(ah[jj][r], qh, bcast32(x[r] + i * 256 + 128 + 4 * u));
+          }
+        }
+      for (int jj = 0; jj < J; ++jj) {
+        const int j = j0 + jj;
+        const __m512i sl = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kX16Sc + 16 * j)));
+        const __m512i sh = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kX16Sc + 16 * (j + 4))));
+        for (int r = 0; r < R; ++r)
+          S[r] = _mm512_add_epi32(S[r], _mm512_add_epi32(_mm512_mullo_epi32(al[jj][r], sl), _mm512_mullo_epi32(ah[jj][r], sh)));
+      }
+    }
+    const __m512i mn0 = _mm512_loadu_si512(b + kX16Mn), mn1 = _mm512_loadu_si512(b + kX16Mn + 64);
+    const __m512 dv = _mm512_cvtph_ps(load(b)), dmv = _mm512_cvtph_ps(load(b + kX16Dmin));
+    for (int r = 0; r < R; ++r) {
+      // Mn: the mins (u8, < 64) times the row's sums of 32 quants as low byte + 256 x high byte
+      const __m512i ml = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, bcast32(lo[r] + i * 8), mn0), bcast32(lo[r] + i * 8 + 4), mn1);
+      const __m512i mh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, mn0, bcast32(hi[r] + i * 8)), mn1, bcast32(hi[r] + i * 8 + 4));
+      const __m512i Mn = _mm512_add_epi32(ml, _mm512_slli_epi32(mh, 8));
+      const __m512 d = _mm512_set1_ps(dx[r][i]);
+      const __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(d, dmv));
+      f[r] = _mm512_add_ps(f[r], _mm512_fmsub_ps(_mm512_cvtepi32_ps(S[r]), _mm512_mul_ps(d, dv), m));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, f[r]);
+}
+#endif
+
+using X16Fn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
+X16Fn x16_fn(int rows) {
+#if defined(SPECDEC_Z512)
+  switch (rows) {
+    case 1: return &dot_q4kx16<1>;
+    case 2: return &dot_q4kx16<2>;
+    case 3: return &dot_q4kx16<3>;
+    default: return &dot_q4kx16<4>;
+  }
+#else
+  switch (rows) {
+    case 1: return &dot_q4kx16_scalar<1>;
+    case 2: return &dot_q4kx16_scalar<2>;
+    case 3: return &dot_q4kx16_scalar<3>;
+    default: return &dot_q4kx16_scalar<4>;
+  }
+#endif
+}
+
 using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
 
 template <int R>
@@ -1223,7 +1401,7 @@ Dot2Fn dot2_fn(int64_t type, int rows) {
   return nullptr;
 }
 
-bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kQ4_KX16; }
 
 int64_t block_bytes(int64_t t) {
   switch (t) {
@@ -1233,6 +1411,7 @@ int64_t block_bytes(int64_t t) {
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kQ4_KX16: return kX16Bytes;  // a block of 16 channels
   }
   return 0;
 }
@@ -1509,7 +1688,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
     TORCH_CHECK(ws[s].size(1) == K / bs * bb, "qmm: weight rows of ", ws[s].size(1), " bytes do not hold K = ", K);
     (is_k_quant(t) ? need256 : need32) = true;
     orders |= t == kQ6_K ? kOrderQ6 : (t == kQ4_K || t == kQ5_K ? kOrderQ45 : 0);
-    starts.push_back(starts.back() + ws[s].size(0));
+    starts.push_back(starts.back() + ws[s].size(0) * (t == kQ4_KX16 ? 16 : 1));
   }
   const int64_t N = starts.back();
   const float* bp = nullptr;
@@ -1553,6 +1732,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     float res[2 * kMaxRows];
+    alignas(64) float res16[64];
 #if defined(SPECDEC_AMX)
     if (amx) amx_configure();
 #endif
@@ -1565,7 +1745,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
       int64_t n0 = tile_n0[t];
       const int64_t n1 = std::min(n0 + tile, starts[s + 1]);
 #if defined(SPECDEC_AMX)
-      if (amx && is_k_quant(type) && n1 - n0 >= 16) {  // whole groups of 16 channels; the rest below
+      if (amx && is_k_quant(type) && type != kQ4_KX16 && n1 - n0 >= 16) {  // whole groups of 16 channels; the rest below
         const int64_t nch = (n1 - n0) / 16 * 16;
         auto put = [&](int64_t m0, int64_t rows, int64_t c0, const float* v) {
           for (int64_t r = 0; r < rows; ++r)
@@ -1583,6 +1763,22 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
         n0 += nch;
       }
 #endif
+      if (type == kQ4_KX16) {  // 16 channels at a time, each serving every row (by up to 4, as even as can be)
+        const int64_t G = (M + 3) / 4;
+        for (int64_t n = n0; n < n1; n += 16)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t m0 = g * (M / G) + std::min(g, M % G);
+            const int rows = static_cast<int>(M / G + (g < M % G ? 1 : 0));
+            x16_fn(rows)(wbase + (n - starts[s]) / 16 * row_bytes, nb, a, m0, res16);
+            for (int r = 0; r < rows; ++r)
+              for (int c = 0; c < 16; ++c) {
+                const float o = bp ? res16[16 * r + c] + bp[n + c] : res16[16 * r + c];
+                if (out_bf16) yb[(m0 + r) * N + n + c] = static_cast<at::BFloat16>(o);
+                else yf[(m0 + r) * N + n + c] = o;
+              }
+          }
+        continue;
+      }
       for (int64_t g = 0; g < ngroups; ++g) {
         const int64_t m0 = group_start(M, g);
         const int rows = static_cast<int>(group_start(M, g + 1) - m0);
@@ -1924,6 +2120,7 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("set_pair_rows(int mask) -> ()", &set_pair_rows);
   m.def("pair_rows() -> int", &pair_rows);
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
+  m.def("repack_q4k_x16(Tensor w) -> Tensor", &repack_q4k_x16);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);

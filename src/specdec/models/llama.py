@@ -299,8 +299,9 @@ class DecoderLayer(nn.Module):
             return
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         qkv, o, gate_up, down = linears
-        self.fused_args = (norms, self.input_layernorm.eps, qkv.blocks, qkv.types, qkv.bias, o.blocks, o.types,
-                           gate_up.blocks, gate_up.types, down.blocks, down.types)
+        self.fused_args = (norms, self.input_layernorm.eps, qkv.kernel_blocks, qkv.kernel_types, qkv.bias,
+                           o.kernel_blocks, o.kernel_types, gate_up.kernel_blocks, gate_up.kernel_types,
+                           down.kernel_blocks, down.kernel_types)
 
     def forward(self, x, cos, sin, cache, write_slots, mask, key_index=None, slots=None):
         """`slots` [B, T]: the new tokens' cache slots (for the fused layer; `write_slots` or the rows' next ones)."""
