@@ -247,71 +247,83 @@ def test_gguf_model_on_the_kernels_is_close_to_float_and_exact_under_speculation
     assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens == out.metrics.num_draft_tokens
 
 
-def test_q4k_interleaved_by_16_channels_gives_the_file_layouts_bits_for_any_rows_build_and_threads():
-    """Q4_K repacked 16 channels side by side (the kernel with the channels in the lanes) against the file's
-    layout: the same bits for 1-64 rows, bf16 and fp32 activations, with a bias and next to other segments,
-    one or two threads, and on every build (the others run its portable loop)."""
+X16 = {12: "Q4_K", 14: "Q6_K"}
+
+
+@pytest.mark.parametrize("qtype", sorted(X16), ids=list(X16.values()))
+def test_16_channels_side_by_side_give_the_file_layouts_bits_for_any_rows_build_and_threads(qtype):
+    """Q4_K / Q6_K repacked 16 channels side by side (the kernels with the channels in the lanes) against
+    the file's layout: the same bits for 1-64 rows, bf16 and fp32 activations, with a bias and next to other
+    segments, one or two threads, and on every build (the others run its portable loop)."""
     K, N = 768, 48
-    w = random_blocks(12, N, K, seed=5)
-    w16 = qgemm.repack_q4k_x16(w)
-    assert w16.shape == (N // 16, K // 256 * 2368)
-    q6 = random_blocks(14, 16, K, seed=6)
+    w = random_blocks(qtype, N, K, seed=5)
+    w16, xtype = qgemm.repack_x16(w, qtype), qgemm.X16_TYPES[qtype]
+    assert w16.shape == (N // 16, K // 256 * {12: 2368, 14: 3360}[qtype])
+    other = random_blocks(26 - qtype, 16, K, seed=6)  # the other k-quant, in the file's layout
     bias = torch.randn(N + 16)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(64, K, dtype=dtype)
-        alone = torch.cat([qgemm.qmm(x[m:m + 1], [w16], [qgemm.Q4_K_X16]) for m in range(64)])
+        alone = torch.cat([qgemm.qmm(x[m:m + 1], [w16], [xtype]) for m in range(64)])
         for M in (1, 2, 3, 4, 5, 7, 9, 13, 64):
-            assert torch.equal(qgemm.qmm(x[:M], [w], [12]), alone[:M]), (dtype, M)
-            assert torch.equal(qgemm.qmm(x[:M], [w16], [qgemm.Q4_K_X16]), alone[:M]), (dtype, M)
-        both = qgemm.qmm(x[:6], [w16, q6], [qgemm.Q4_K_X16, 14], bias)
-        assert torch.equal(both, qgemm.qmm(x[:6], [w, q6], [12, 14], bias))
+            assert torch.equal(qgemm.qmm(x[:M], [w], [qtype]), alone[:M]), (dtype, M)
+            assert torch.equal(qgemm.qmm(x[:M], [w16], [xtype]), alone[:M]), (dtype, M)
+        both = qgemm.qmm(x[:6], [w16, other], [xtype, 26 - qtype], bias)
+        assert torch.equal(both, qgemm.qmm(x[:6], [w, other], [qtype, 26 - qtype], bias))
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            assert torch.equal(qgemm.qmm(x[:9], [w16], [qgemm.Q4_K_X16]), alone[:9])
+            assert torch.equal(qgemm.qmm(x[:9], [w16], [xtype]), alone[:9])
         finally:
             torch.set_num_threads(threads)
     x = torch.randn(5, K)
-    outs = [qgemm.qmm(x, [w16], [qgemm.Q4_K_X16], isa=isa) for isa in ISAS]
-    assert all(torch.equal(qgemm.qmm(x, [w], [12]), o) for o in outs), ISAS
+    outs = [qgemm.qmm(x, [w16], [xtype], isa=isa) for isa in ISAS]
+    assert all(torch.equal(qgemm.qmm(x, [w], [qtype]), o) for o in outs), ISAS
 
 
-def test_q4k_interleaved_at_the_largest_integer_sums():
-    """Every quant, scale and min at its largest, activations at +-127: the 16 channels' lanes (32-value
-    sums times 6-bit scales, the mins' products by bytes) at their bounds give the file layout's bits."""
+@pytest.mark.parametrize("qtype", sorted(X16), ids=list(X16.values()))
+def test_16_channels_side_by_side_at_the_largest_integer_sums(qtype):
+    """Every quant, scale and min at its largest (Q6_K: scales at -128 and 127), activations at +-127: the
+    16 channels' lanes at their bounds give the file layout's bits."""
     K, N = 2304, 16
-    w = torch.full((N, K // 256, 144), 0xFF, dtype=torch.uint8)
-    w[..., 0:4] = torch.tensor([0.01, 0.02], dtype=torch.float16).view(torch.uint8)
+    w = torch.full((N, K // 256, qgemm.BLOCK[qtype][1]), 0xFF, dtype=torch.uint8)
+    for off in FP16_FIELDS[qtype]:
+        w[..., off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    if qtype == 14:
+        w[..., 192:208] = torch.tensor([-128, 127] * 8, dtype=torch.int8).view(torch.uint8)
     w = w.reshape(N, -1)
-    w16 = qgemm.repack_q4k_x16(w)
+    w16 = qgemm.repack_x16(w, qtype)
     sign = torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)
     x = torch.stack([torch.ones(K), -torch.ones(K), sign, torch.ones(K)])
     for M in (1, 2, 4):
-        y = qgemm.qmm(x[:M], [w16], [qgemm.Q4_K_X16])
-        assert torch.equal(y, qgemm.qmm(x[:M], [w], [12], isa="generic")), M
+        y = qgemm.qmm(x[:M], [w16], [qgemm.X16_TYPES[qtype]])
+        assert torch.equal(y, qgemm.qmm(x[:M], [w], [qtype], isa="generic")), M
         assert y.abs().max() > 0
 
 
-def test_q4k_interleaving_refuses_what_it_cannot_lay_out():
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        qgemm.repack_q4k_x16(random_blocks(12, 24, 512))
-    w16 = qgemm.repack_q4k_x16(random_blocks(12, 16, 512))
-    with pytest.raises(RuntimeError, match="do not hold K"):
-        qgemm.qmm(torch.randn(1, 768), [w16], [qgemm.Q4_K_X16])
+def test_16_channel_layouts_refuse_what_they_cannot_lay_out():
+    for qtype in X16:
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            qgemm.repack_x16(random_blocks(qtype, 24, 512), qtype)
+        w16 = qgemm.repack_x16(random_blocks(qtype, 16, 512), qtype)
+        with pytest.raises(RuntimeError, match="do not hold K"):
+            qgemm.qmm(torch.randn(1, 768), [w16], [qgemm.X16_TYPES[qtype]])
+    with pytest.raises(ValueError, match="no 16-channel layout"):
+        qgemm.repack_x16(random_blocks(8, 16, 512), 8)
 
 
-def test_quant_linear_interleaves_q4k_as_the_build_says_and_keeps_the_bits(monkeypatch):
+def test_quant_linear_lays_out_16_channels_as_the_build_says_and_keeps_the_bits(monkeypatch):
     K = 512
-    parts = [(random_blocks(12, 32, K, seed=7), 12), (random_blocks(14, 16, K, seed=8), 14), (random_blocks(12, 8, K, seed=9), 12)]
+    parts = [(random_blocks(12, 32, K, seed=7), 12), (random_blocks(14, 16, K, seed=8), 14),
+             (random_blocks(12, 8, K, seed=9), 12), (random_blocks(8, 16, K, seed=10), 8)]
     x = torch.randn(3, K, dtype=torch.bfloat16)
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "0")
     plain = QuantLinear(parts, K)
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "1")
     mixed = QuantLinear(parts, K)
-    assert plain.kernel_types == [12, 14, 12]
-    assert mixed.kernel_types == [qgemm.Q4_K_X16, 14, 12]  # 8 channels are not a block of 16
+    assert plain.kernel_types == [12, 14, 12, 8]
+    assert mixed.kernel_types == [qgemm.Q4_K_X16, qgemm.Q6_K_X16, 12, 8]  # 8 channels are not a block of 16
     assert torch.equal(plain(x), mixed(x))
-    ids = torch.tensor([1, 40, 50])
+    ids = torch.tensor([1, 40, 50, 60])
     assert torch.equal(mixed.dequantize_rows(ids), plain.dequantize_rows(ids))  # from the file's blocks
     assert torch.equal(mixed.select_rows(ids)(x), plain.select_rows(ids)(x))
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "2")
@@ -338,10 +350,10 @@ def test_real_target_rows_are_invariant_for_every_block_type_in_the_files():
             alone = torch.cat([qgemm.qmm(x[m:m + 1], [w], [int(t.tensor_type)]) for m in range(64)])
             for M in (2, 3, 6, 9, 64):
                 assert torch.equal(qgemm.qmm(x[:M], [w], [int(t.tensor_type)]), alone[:M]), (t.name, M)
-            if int(t.tensor_type) == 12:  # and laid out 16 channels side by side
-                w16 = qgemm.repack_q4k_x16(w)
+            if int(t.tensor_type) in qgemm.X16_TYPES:  # and laid out 16 channels side by side
+                w16, xtype = qgemm.repack_x16(w, int(t.tensor_type)), qgemm.X16_TYPES[int(t.tensor_type)]
                 for M in (1, 2, 3, 6, 9, 64):
-                    assert torch.equal(qgemm.qmm(x[:M], [w16], [qgemm.Q4_K_X16]), alone[:M]), (t.name, M)
+                    assert torch.equal(qgemm.qmm(x[:M], [w16], [xtype]), alone[:M]), (t.name, M)
             ref = reference(x[:4].float(), w, int(t.tensor_type))
             y = qgemm.qmm(x[:4].float(), [w], [int(t.tensor_type)]).double()
             assert torch.allclose(y, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item()), t.name

@@ -53,7 +53,8 @@ namespace {
 // GGML type ids (ggml.h)
 enum : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 // Q4_K blocks of 16 channels interleaved (`repack_q4k_x16`): not a GGML type, the kernels' own layout
-constexpr int64_t kQ4_KX16 = 112;
+constexpr int64_t kQ4_KX16 = 112, kQ6_KX16 = 114;  // and Q6_K (`repack_q6k_x16`)
+inline bool is_x16(int64_t t) { return t == kQ4_KX16 || t == kQ6_KX16; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr int kMaxRows = 12;  // 32 vector registers: the k-quants' fixed lanes keep one a row (two trees: 8 and
@@ -1312,23 +1313,156 @@ void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 }
 #endif
 
-using X16Fn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
-X16Fn x16_fn(int rows) {
+// Q6_K, 16 channels side by side (`repack_q6k_x16`), 3360 bytes as in the file: d of the 16 channels (fp16),
+// the 16 signed scales (sc[j][c]), the low 4 bits of the quants as Q4_K's 32 registers (low nibble: value
+// 4u + t, high nibble: 128 + 4u + t, in byte 4c + t of register u), then their high 2 bits in 16 registers:
+// byte 4c + t of register h holds those of values 4h + t, 128 + 4h + t, 64 + 4h + t and 192 + 4h + t (bits
+// 0-1, 2-3, 4-5, 6-7). The lanes of a 16-value sub-block start from -32 x the row's sum of its 16 quants
+// (Q6_K's offset), then S = the sum of scale x lane: the exact integer of the other kernels; step6.
+constexpr int64_t kX16Q6Bytes = 3360, kX16Q6Sc = 32, kX16Q6Lo = 288, kX16Q6Hi = 2336;
+
+at::Tensor repack_q6k_x16(at::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "repack_q6k_x16: uint8 [N, row_bytes] blocks");
+  const int64_t N = w.size(0), row = w.size(1), nb = row / 210;
+  TORCH_CHECK(N % 16 == 0 && row % 210 == 0, "repack_q6k_x16: N must be a multiple of 16 and rows whole Q6_K blocks");
+  auto out = at::empty({N / 16, nb * kX16Q6Bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t i = 0; i < nb; ++i) {
+        uint8_t* o = dst + (g * nb + i) * kX16Q6Bytes;
+        for (int c = 0; c < 16; ++c) {
+          const uint8_t* b = src + (g * 16 + c) * row + i * 210;
+          std::memcpy(o + 2 * c, b + 208, 2);
+          for (int j = 0; j < 16; ++j) o[kX16Q6Sc + 16 * j + c] = b[192 + j];
+          uint8_t q[256];  // the quants in value order (q6k_value's, 32 at a time)
+          for (int n = 0; n < 2; ++n)
+            for (int l = 0; l < 32; ++l) {
+              const uint8_t a = b[64 * n + l], c2 = b[64 * n + l + 32], h = b[128 + 32 * n + l];
+              q[128 * n + l] = static_cast<uint8_t>((a & 0xF) | ((h & 3) << 4));
+              q[128 * n + l + 32] = static_cast<uint8_t>((c2 & 0xF) | (((h >> 2) & 3) << 4));
+              q[128 * n + l + 64] = static_cast<uint8_t>((a >> 4) | (((h >> 4) & 3) << 4));
+              q[128 * n + l + 96] = static_cast<uint8_t>((c2 >> 4) | (((h >> 6) & 3) << 4));
+            }
+          auto word = [&q](int v) { uint32_t x; std::memcpy(&x, q + v, 4); return x; };  // values v..v + 3
+          for (int u = 0; u < 32; ++u) {
+            const uint32_t v = (word(4 * u) & 0x0F0F0F0Fu) | ((word(128 + 4 * u) & 0x0F0F0F0Fu) << 4);
+            std::memcpy(o + kX16Q6Lo + 64 * u + 4 * c, &v, 4);
+          }
+          for (int h = 0; h < 16; ++h) {
+            auto top = [&word](int v) { return (word(v) >> 4) & 0x03030303u; };
+            const uint32_t v = top(4 * h) | (top(128 + 4 * h) << 2) | (top(64 + 4 * h) << 4) | (top(192 + 4 * h) << 6);
+            std::memcpy(o + kX16Q6Hi + 64 * h + 4 * c, &v, 4);
+          }
+        }
+      }
+  });
+  return out;
+}
+
+inline int q6kx16_value(const uint8_t* b, int c, int v) {  // quant v of channel c in a block of 16 channels
+  const int u = (v % 128) / 4, t = v % 4, h = u % 16;
+  const int low = (b[kX16Q6Lo + 64 * u + 4 * c + t] >> (v < 128 ? 0 : 4)) & 0xF;
+  const int shift = 2 * ((v >= 128 ? 1 : 0) + 2 * (u / 16));
+  return low | (((b[kX16Q6Hi + 64 * h + 4 * c + t] >> shift) & 3) << 4);
+}
+
+template <int R>
+void dot_q6kx16_scalar(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 16; ++c) {
+      const int8_t* x = a.qrow(m0 + r);
+      float f = 0.f;
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* b = w + i * kX16Q6Bytes;
+        int32_t S = 0;
+        for (int j = 0; j < 16; ++j) {
+          int32_t A = 0;
+          for (int v = 16 * j; v < 16 * j + 16; ++v) A += (q6kx16_value(b, c, v) - 32) * x[i * 256 + v];
+          S += static_cast<int8_t>(b[kX16Q6Sc + 16 * j + c]) * A;
+        }
+        f = step6(f, S, a.drow(m0 + r)[i], fp16(b + 2 * c));
+      }
+      out[16 * r + c] = f;
+    }
+}
+
 #if defined(SPECDEC_Z512)
-  switch (rows) {
-    case 1: return &dot_q4kx16<1>;
-    case 2: return &dot_q4kx16<2>;
-    case 3: return &dot_q4kx16<3>;
-    default: return &dot_q4kx16<4>;
+// J pairs of sub-blocks (j, j + 8) of R rows at a time: 2 J R accumulators of 4 chained dot products each
+template <int R>
+void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  static_assert(R >= 1 && R <= 4, "one to four rows");
+  constexpr int J = R <= 2 ? 4 : 2;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const int8_t* x[R];
+  const int16_t* s16[R];
+  const float* dx[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = a.qrow(m0 + r);
+    s16[r] = a.srow(m0 + r);
+    dx[r] = a.drow(m0 + r);
   }
-#else
-  switch (rows) {
-    case 1: return &dot_q4kx16_scalar<1>;
-    case 2: return &dot_q4kx16_scalar<2>;
-    case 3: return &dot_q4kx16_scalar<3>;
-    default: return &dot_q4kx16_scalar<4>;
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * kX16Q6Bytes;
+    for (int64_t l = 0; l < kX16Q6Lo; l += 64) __builtin_prefetch(b + kX16Ahead + l, 0, 1);
+    __m512i S[R];
+    for (int r = 0; r < R; ++r) S[r] = _mm512_setzero_si512();
+    for (int j0 = 0; j0 < 8; j0 += J) {
+      __m512i al[J][R], ah[J][R];  // sub-blocks j0 + jj and j0 + jj + 8, from the offsets
+      for (int jj = 0; jj < J; ++jj)
+        for (int r = 0; r < R; ++r) {
+          al[jj][r] = _mm512_set1_epi32(-32 * s16[r][i * 16 + j0 + jj]);
+          ah[jj][r] = _mm512_set1_epi32(-32 * s16[r][i * 16 + j0 + jj + 8]);
+        }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k)
+        for (int jj = 0; jj < J; ++jj) {
+          const int u = 4 * (j0 + jj) + k;
+          __builtin_prefetch(b + kX16Ahead + kX16Q6Lo + 64 * u, 0, 1);
+          if (u < 16) __builtin_prefetch(b + kX16Ahead + kX16Q6Hi + 64 * u, 0, 1);
+          const __m512i P = _mm512_loadu_si512(b + kX16Q6Lo + 64 * u);
+          const __m512i H = _mm512_srli_epi16(_mm512_loadu_si512(b + kX16Q6Hi + 64 * (u % 16)), 4 * (u / 16));
+          const __m512i ql = _mm512_or_si512(_mm512_and_si512(P, m4), _mm512_and_si512(_mm512_slli_epi16(H, 4), m30));
+          const __m512i qh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(P, 4), m4), _mm512_and_si512(_mm512_slli_epi16(H, 2), m30));
+          for (int r = 0; r < R; ++r) {
+            al[jj][r] = _mm512_dpbusd_epi32(al[jj][r], ql, bcast32(x[r] + i * 256 + 4 * u));
+            ah[jj][r] = _mm512_dpbusd_epi32(ah[jj][r], qh, bcast32(x[r] + i * 256 + 128 + 4 * u));
+          }
+        }
+      for (int jj = 0; jj < J; ++jj) {
+        const int j = j0 + jj;
+        const __m512i sl = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kX16Q6Sc + 16 * j)));
+        const __m512i sh = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kX16Q6Sc + 16 * (j + 8))));
+        for (int r = 0; r < R; ++r)
+          S[r] = _mm512_add_epi32(S[r], _mm512_add_epi32(_mm512_mullo_epi32(al[jj][r], sl), _mm512_mullo_epi32(ah[jj][r], sh)));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(load(b));
+    for (int r = 0; r < R; ++r) f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[r]), _mm512_mul_ps(_mm512_set1_ps(dx[r][i]), dv), f[r]);
   }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, f[r]);
+}
 #endif
+
+using X16Fn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
+template <int R>
+X16Fn x16_for(int64_t type) {
+#if defined(SPECDEC_Z512)
+  return type == kQ6_KX16 ? &dot_q6kx16<R> : &dot_q4kx16<R>;
+#else
+  return type == kQ6_KX16 ? &dot_q6kx16_scalar<R> : &dot_q4kx16_scalar<R>;
+#endif
+}
+X16Fn x16_fn(int64_t type, int rows) {
+  switch (rows) {
+    case 1: return x16_for<1>(type);
+    case 2: return x16_for<2>(type);
+    case 3: return x16_for<3>(type);
+    default: return x16_for<4>(type);
+  }
 }
 
 using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
@@ -1401,7 +1535,7 @@ Dot2Fn dot2_fn(int64_t type, int rows) {
   return nullptr;
 }
 
-bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kQ4_KX16; }
+bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K || is_x16(t); }
 
 int64_t block_bytes(int64_t t) {
   switch (t) {
@@ -1412,6 +1546,7 @@ int64_t block_bytes(int64_t t) {
     case kQ5_K: return 176;
     case kQ6_K: return 210;
     case kQ4_KX16: return kX16Bytes;  // a block of 16 channels
+    case kQ6_KX16: return kX16Q6Bytes;
   }
   return 0;
 }
@@ -1688,7 +1823,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
     TORCH_CHECK(ws[s].size(1) == K / bs * bb, "qmm: weight rows of ", ws[s].size(1), " bytes do not hold K = ", K);
     (is_k_quant(t) ? need256 : need32) = true;
     orders |= t == kQ6_K ? kOrderQ6 : (t == kQ4_K || t == kQ5_K ? kOrderQ45 : 0);
-    starts.push_back(starts.back() + ws[s].size(0) * (t == kQ4_KX16 ? 16 : 1));
+    starts.push_back(starts.back() + ws[s].size(0) * (is_x16(t) ? 16 : 1));
   }
   const int64_t N = starts.back();
   const float* bp = nullptr;
@@ -1745,7 +1880,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
       int64_t n0 = tile_n0[t];
       const int64_t n1 = std::min(n0 + tile, starts[s + 1]);
 #if defined(SPECDEC_AMX)
-      if (amx && is_k_quant(type) && type != kQ4_KX16 && n1 - n0 >= 16) {  // whole groups of 16 channels; the rest below
+      if (amx && is_k_quant(type) && !is_x16(type) && n1 - n0 >= 16) {  // whole groups of 16 channels; the rest below
         const int64_t nch = (n1 - n0) / 16 * 16;
         auto put = [&](int64_t m0, int64_t rows, int64_t c0, const float* v) {
           for (int64_t r = 0; r < rows; ++r)
@@ -1763,13 +1898,13 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
         n0 += nch;
       }
 #endif
-      if (type == kQ4_KX16) {  // 16 channels at a time, each serving every row (by up to 4, as even as can be)
+      if (is_x16(type)) {  // 16 channels at a time, each serving every row (by up to 4, as even as can be)
         const int64_t G = (M + 3) / 4;
         for (int64_t n = n0; n < n1; n += 16)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t m0 = g * (M / G) + std::min(g, M % G);
             const int rows = static_cast<int>(M / G + (g < M % G ? 1 : 0));
-            x16_fn(rows)(wbase + (n - starts[s]) / 16 * row_bytes, nb, a, m0, res16);
+            x16_fn(type, rows)(wbase + (n - starts[s]) / 16 * row_bytes, nb, a, m0, res16);
             for (int r = 0; r < rows; ++r)
               for (int c = 0; c < 16; ++c) {
                 const float o = bp ? res16[16 * r + c] + bp[n + c] : res16[16 * r + c];
@@ -2121,6 +2256,7 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("pair_rows() -> int", &pair_rows);
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
   m.def("repack_q4k_x16(Tensor w) -> Tensor", &repack_q4k_x16);
+  m.def("repack_q6k_x16(Tensor w) -> Tensor", &repack_q6k_x16);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);

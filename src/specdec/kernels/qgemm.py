@@ -49,8 +49,9 @@ _ISA_CPU_FLAGS = {
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 SUPPORTED_TYPES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-# Q4_K with 16 channels interleaved (`repack_q4k_x16`): the kernels' own layout, not a GGML type
-Q4_K, Q4_K_X16 = 12, 112
+# Q4_K and Q6_K with 16 channels interleaved (`repack_x16`): the kernels' own layouts, not GGML types
+Q4_K, Q6_K, Q4_K_X16, Q6_K_X16 = 12, 14, 112, 114
+X16_TYPES = {Q4_K: Q4_K_X16, Q6_K: Q6_K_X16}
 
 _lock = threading.Lock()
 _ops: dict[str, object] = {}
@@ -149,11 +150,11 @@ def _pair_rows(lib_ops, trials: int = 5) -> int:
     return mask
 
 
-def interleaves_q4k() -> bool:
-    """Whether Q4_K matrices (of a multiple of 16 rows) are laid out 16 channels side by side at load
-    (`repack_q4k_x16`): on the AVX-512 VNNI build (without AMX, whose tiles read the file's layout), where the
-    kernel on that layout keeps the channels in the vector lanes and does a fraction of the work per block
-    (the same bits). `SPECDEC_QGEMM_X16=0|1` turns it off or on (on other builds: a portable loop, slow)."""
+def interleaves() -> bool:
+    """Whether Q4_K and Q6_K matrices (of a multiple of 16 rows) are laid out 16 channels side by side at
+    load (`repack_x16`): on the AVX-512 VNNI build (not the AMX one, whose tiles read the file's layout),
+    where the kernels on that layout keep the channels in the vector lanes and do a fraction of the work per
+    block (the same bits). `SPECDEC_QGEMM_X16=0|1` turns it off or on (on other builds: a portable loop, slow)."""
     forced = os.environ.get("SPECDEC_QGEMM_X16")
     if forced:
         if forced not in ("0", "1"):
@@ -162,11 +163,15 @@ def interleaves_q4k() -> bool:
     return best_isa() == "avx512vnni"
 
 
-def repack_q4k_x16(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K blocks uint8 [N, row_bytes] (N a multiple of 16) -> uint8 [N / 16, K / 256 * 2368]: each block of
-    16 channels interleaved (scales and mins unpacked to bytes, the quants of a channel in lane c of each
-    64-byte register), for `qmm` with type `Q4_K_X16`. Computes the same bits as the blocks themselves."""
-    return ops().repack_q4k_x16(blocks.contiguous())
+def repack_x16(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q4_K or Q6_K blocks uint8 [N, row_bytes] (N a multiple of 16) -> uint8 [N / 16, K / 256 * 2368 (Q4_K)
+    or 3360 (Q6_K)]: each block of 16 channels interleaved (the quants of channel c in lane c of each 64-byte
+    register), for `qmm` with type `X16_TYPES[qtype]`. Computes the same bits as the blocks themselves."""
+    if qtype == Q4_K:
+        return ops().repack_q4k_x16(blocks.contiguous())
+    if qtype == Q6_K:
+        return ops().repack_q6k_x16(blocks.contiguous())
+    raise ValueError(f"no 16-channel layout for type {qtype}")
 
 
 def unavailable_reason() -> str | None:

@@ -13,7 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from specdec.kernels.qgemm import Q4_K, Q4_K_X16, SUPPORTED_TYPES, interleaves_q4k, qmm, quantize_q8_0, repack_q4k_x16
+from specdec.kernels.qgemm import SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q8_0, repack_x16
 from specdec.models.dequant import dequantize_rows
 
 Q8_0 = int(GGMLQuantizationType.Q8_0)
@@ -49,14 +49,14 @@ class QuantLinear(nn.Module):
             if t not in SUPPORTED_TYPES:
                 raise ValueError(f"part {i}: the kernels do not run type {t}; use kernel_blocks() first")
             self.register_buffer(f"blocks_{i}", w.contiguous(), persistent=False)
-        # what the kernels read: Q4_K parts 16 channels interleaved where that build runs them faster (the
-        # same bits); the file's blocks stay for select_rows / dequantize_rows
+        # what the kernels read: Q4_K / Q6_K parts 16 channels interleaved where that build runs them faster
+        # (the same bits); the file's blocks stay for select_rows / dequantize_rows
         self.kernel_types = list(self.types)
-        interleave = interleaves_q4k()
+        interleave = interleaves()
         for i, (w, t) in enumerate(parts):
-            if interleave and t == Q4_K and w.shape[0] % 16 == 0:
-                self.register_buffer(f"kblocks_{i}", repack_q4k_x16(w), persistent=False)
-                self.kernel_types[i] = Q4_K_X16
+            if interleave and t in X16_TYPES and w.shape[0] % 16 == 0:
+                self.register_buffer(f"kblocks_{i}", repack_x16(w, t), persistent=False)
+                self.kernel_types[i] = X16_TYPES[t]
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
 
     @property
@@ -65,7 +65,7 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel_blocks(self) -> list[torch.Tensor]:
-        return [getattr(self, f"kblocks_{i}" if t == Q4_K_X16 else f"blocks_{i}") for i, t in enumerate(self.kernel_types)]
+        return [getattr(self, f"kblocks_{i}" if t != s else f"blocks_{i}") for i, (t, s) in enumerate(zip(self.kernel_types, self.types))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return qmm(x, self.kernel_blocks, self.kernel_types, self.bias)
