@@ -15,6 +15,8 @@ u64 into the data section, which starts at the next multiple of `general.alignme
 
 from __future__ import annotations
 
+import mmap
+
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,14 @@ class GGUFFile:
         start = -(-self._pos // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
 
+
+    def release_pages(self) -> None:
+        """Let the OS drop this process's resident pages of the file (a read-only shared map: whatever is
+        used again is read back from the page cache): after load, once the kernels hold their own layouts of
+        the matrices they read (`QuantLinear`), the file's pages would otherwise stay counted as resident."""
+        mapped = getattr(self._map, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
     def get_field(self, key: str) -> Field | None:
         return self.fields.get(key)
 

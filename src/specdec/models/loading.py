@@ -381,7 +381,9 @@ def load_quantized(
         with warnings.catch_warnings():  # a read-only map: the kernels never write the weights
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             model = build_quantized(config, _GGUFSource(reader, config), dtype, requantize=method == "q8_0")
-        return config, model, Tokenizer.from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+        reader.release_pages()
+        return config, model, tokenizer
     config = hf_config(path)
     weights = load_safetensors(path, config, torch.float32, "cpu")
     return config, build_quantized(config, _FloatSource(weights), dtype), Tokenizer.from_folder(path)
