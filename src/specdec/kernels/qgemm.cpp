@@ -339,12 +339,16 @@ struct Rows {
   const int16_t* s[R];
   const int32_t* s32[R];
   const float* d[R];
+  const uint8_t* lo[R];  // s32's low bytes and the rest
+  const int8_t* hi[R];
   Rows(const Acts& a, int64_t m0) {
     for (int r = 0; r < R; ++r) {
       q[r] = a.qrow(m0 + r);
       s[r] = a.srow(m0 + r);
       s32[r] = a.s32row(m0 + r);
       d[r] = a.drow(m0 + r);
+      lo[r] = a.s32lorow(m0 + r);
+      hi[r] = a.s32hirow(m0 + r);
     }
   }
 };
@@ -1181,42 +1185,46 @@ constexpr int64_t kX16Bytes = 2368, kX16Dmin = 32, kX16Sc = 64, kX16Mn = 192, kX
 // read of memory reached that hour)
 constexpr int64_t kX16Ahead = 32768;
 
-at::Tensor repack_q4k_x16(at::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "repack_q4k_x16: uint8 [N, row_bytes] blocks");
-  const int64_t N = w.size(0), row = w.size(1), nb = row / 144;
-  TORCH_CHECK(N % 16 == 0 && row % 144 == 0, "repack_q4k_x16: N must be a multiple of 16 and rows whole Q4_K blocks");
-  auto out = at::empty({N / 16, nb * kX16Bytes}, w.options());
+// A layout of 16 channels side by side: `fill(o, c, b)` writes channel c's share of an output block o from
+// its file block b (`in` bytes), for every block of every 16 channels.
+template <typename Fill>
+at::Tensor repack_x16(const at::Tensor& w, const char* type, int64_t in, int64_t out_bytes, Fill fill) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "repack_x16: uint8 [N, row_bytes] blocks");
+  const int64_t N = w.size(0), row = w.size(1), nb = row / in;
+  TORCH_CHECK(N % 16 == 0 && row % in == 0, "repack_x16: N must be a multiple of 16 and rows whole ", type, " blocks");
+  auto out = at::empty({N / 16, nb * out_bytes}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t i = 0; i < nb; ++i) {
-        uint8_t* o = dst + (g * nb + i) * kX16Bytes;
-        for (int c = 0; c < 16; ++c) {
-          const uint8_t* b = src + (g * 16 + c) * row + i * 144;
-          std::memcpy(o + 2 * c, b, 2);
-          std::memcpy(o + kX16Dmin + 2 * c, b + 2, 2);
-          uint64_t sc, mn;
-          k_scales_mins(b + 4, &sc, &mn);
-          for (int j = 0; j < 8; ++j) {
-            o[kX16Sc + 16 * j + c] = byte_of(sc, j);
-            o[kX16Mn + 64 * (j / 4) + 4 * c + j % 4] = byte_of(mn, j);
-          }
-          // register u < 8: values 4u.. of the file's chunks 0 (low nibbles) and 2; u < 16: their high nibbles
-          // (values 32 + ..); u < 24, u < 32: likewise from chunks 1 and 3
-          const uint8_t* qs = b + 16;
-          for (int u = 0; u < 32; ++u) {  // 4 values at a time
-            uint32_t lo, hi;
-            std::memcpy(&lo, qs + 32 * (u / 16) + 4 * (u % 8), 4);
-            std::memcpy(&hi, qs + 64 + 32 * (u / 16) + 4 * (u % 8), 4);
-            const uint32_t v = (u % 16) < 8 ? (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4)
-                                            : ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
-            std::memcpy(o + kX16Qs + 64 * u + 4 * c, &v, 4);
-          }
-        }
-      }
+      for (int64_t i = 0; i < nb; ++i)
+        for (int c = 0; c < 16; ++c) fill(dst + (g * nb + i) * out_bytes, c, src + (g * 16 + c) * row + i * in);
   });
   return out;
+}
+
+at::Tensor repack_q4k_x16(at::Tensor w) {
+  return repack_x16(w, "Q4_K", 144, kX16Bytes, [](uint8_t* o, int c, const uint8_t* b) {
+    std::memcpy(o + 2 * c, b, 2);
+    std::memcpy(o + kX16Dmin + 2 * c, b + 2, 2);
+    uint64_t sc, mn;
+    k_scales_mins(b + 4, &sc, &mn);
+    for (int j = 0; j < 8; ++j) {
+      o[kX16Sc + 16 * j + c] = byte_of(sc, j);
+      o[kX16Mn + 64 * (j / 4) + 4 * c + j % 4] = byte_of(mn, j);
+    }
+    // register u < 8: values 4u.. of the file's chunks 0 (low nibbles) and 2; u < 16: their high nibbles
+    // (values 32 + ..); u < 24, u < 32: likewise from chunks 1 and 3
+    const uint8_t* qs = b + 16;
+    for (int u = 0; u < 32; ++u) {  // 4 values at a time
+      uint32_t lo, hi;
+      std::memcpy(&lo, qs + 32 * (u / 16) + 4 * (u % 8), 4);
+      std::memcpy(&hi, qs + 64 + 32 * (u / 16) + 4 * (u % 8), 4);
+      const uint32_t v = (u % 16) < 8 ? (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4)
+                                      : ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
+      std::memcpy(o + kX16Qs + 64 * u + 4 * c, &v, 4);
+    }
+  });
 }
 
 // R rows x 16 channels; out[16 r + c]. The portable form (every build): the integers, then step45.
@@ -1256,16 +1264,11 @@ void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   static_assert(R >= 1 && R <= 4, "one to four rows");
   constexpr int J = R <= 2 ? 4 : 2;
   const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
-  const int8_t* x[R];
-  const uint8_t* lo[R];
-  const int8_t* hi[R];
-  const float* dx[R];
-  for (int r = 0; r < R; ++r) {
-    x[r] = a.qrow(m0 + r);
-    lo[r] = a.s32lorow(m0 + r);
-    hi[r] = a.s32hirow(m0 + r);
-    dx[r] = a.drow(m0 + r);
-  }
+  const Rows<R> rw(a, m0);
+  const int8_t* const* x = rw.q;
+  const uint8_t* const* lo = rw.lo;
+  const int8_t* const* hi = rw.hi;
+  const float* const* dx = rw.d;
   __m512 f[R];
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -1322,43 +1325,29 @@ void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 constexpr int64_t kX16Q6Bytes = 3360, kX16Q6Sc = 32, kX16Q6Lo = 288, kX16Q6Hi = 2336;
 
 at::Tensor repack_q6k_x16(at::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "repack_q6k_x16: uint8 [N, row_bytes] blocks");
-  const int64_t N = w.size(0), row = w.size(1), nb = row / 210;
-  TORCH_CHECK(N % 16 == 0 && row % 210 == 0, "repack_q6k_x16: N must be a multiple of 16 and rows whole Q6_K blocks");
-  auto out = at::empty({N / 16, nb * kX16Q6Bytes}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t i = 0; i < nb; ++i) {
-        uint8_t* o = dst + (g * nb + i) * kX16Q6Bytes;
-        for (int c = 0; c < 16; ++c) {
-          const uint8_t* b = src + (g * 16 + c) * row + i * 210;
-          std::memcpy(o + 2 * c, b + 208, 2);
-          for (int j = 0; j < 16; ++j) o[kX16Q6Sc + 16 * j + c] = b[192 + j];
-          uint8_t q[256];  // the quants in value order (q6k_value's, 32 at a time)
-          for (int n = 0; n < 2; ++n)
-            for (int l = 0; l < 32; ++l) {
-              const uint8_t a = b[64 * n + l], c2 = b[64 * n + l + 32], h = b[128 + 32 * n + l];
-              q[128 * n + l] = static_cast<uint8_t>((a & 0xF) | ((h & 3) << 4));
-              q[128 * n + l + 32] = static_cast<uint8_t>((c2 & 0xF) | (((h >> 2) & 3) << 4));
-              q[128 * n + l + 64] = static_cast<uint8_t>((a >> 4) | (((h >> 4) & 3) << 4));
-              q[128 * n + l + 96] = static_cast<uint8_t>((c2 >> 4) | (((h >> 6) & 3) << 4));
-            }
-          auto word = [&q](int v) { uint32_t x; std::memcpy(&x, q + v, 4); return x; };  // values v..v + 3
-          for (int u = 0; u < 32; ++u) {
-            const uint32_t v = (word(4 * u) & 0x0F0F0F0Fu) | ((word(128 + 4 * u) & 0x0F0F0F0Fu) << 4);
-            std::memcpy(o + kX16Q6Lo + 64 * u + 4 * c, &v, 4);
-          }
-          for (int h = 0; h < 16; ++h) {
-            auto top = [&word](int v) { return (word(v) >> 4) & 0x03030303u; };
-            const uint32_t v = top(4 * h) | (top(128 + 4 * h) << 2) | (top(64 + 4 * h) << 4) | (top(192 + 4 * h) << 6);
-            std::memcpy(o + kX16Q6Hi + 64 * h + 4 * c, &v, 4);
-          }
-        }
+  return repack_x16(w, "Q6_K", 210, kX16Q6Bytes, [](uint8_t* o, int c, const uint8_t* b) {
+    std::memcpy(o + 2 * c, b + 208, 2);
+    for (int j = 0; j < 16; ++j) o[kX16Q6Sc + 16 * j + c] = b[192 + j];
+    uint8_t q[256];  // the quants in value order (0..63, before the -32), 32 at a time
+    for (int n = 0; n < 2; ++n)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t a = b[64 * n + l], c2 = b[64 * n + l + 32], h = b[128 + 32 * n + l];
+        q[128 * n + l] = static_cast<uint8_t>((a & 0xF) | ((h & 3) << 4));
+        q[128 * n + l + 32] = static_cast<uint8_t>((c2 & 0xF) | (((h >> 2) & 3) << 4));
+        q[128 * n + l + 64] = static_cast<uint8_t>((a >> 4) | (((h >> 4) & 3) << 4));
+        q[128 * n + l + 96] = static_cast<uint8_t>((c2 >> 4) | (((h >> 6) & 3) << 4));
       }
+    auto word = [&q](int v) { uint32_t x; std::memcpy(&x, q + v, 4); return x; };  // values v..v + 3
+    for (int u = 0; u < 32; ++u) {
+      const uint32_t v = (word(4 * u) & 0x0F0F0F0Fu) | ((word(128 + 4 * u) & 0x0F0F0F0Fu) << 4);
+      std::memcpy(o + kX16Q6Lo + 64 * u + 4 * c, &v, 4);
+    }
+    for (int h = 0; h < 16; ++h) {
+      auto top = [&word](int v) { return (word(v) >> 4) & 0x03030303u; };
+      const uint32_t v = top(4 * h) | (top(128 + 4 * h) << 2) | (top(64 + 4 * h) << 4) | (top(192 + 4 * h) << 6);
+      std::memcpy(o + kX16Q6Hi + 64 * h + 4 * c, &v, 4);
+    }
   });
-  return out;
 }
 
 inline int q6kx16_value(const uint8_t* b, int c, int v) {  // quant v of channel c in a block of 16 channels
@@ -1395,14 +1384,10 @@ void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   static_assert(R >= 1 && R <= 4, "one to four rows");
   constexpr int J = R <= 2 ? 4 : 2;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  const int8_t* x[R];
-  const int16_t* s16[R];
-  const float* dx[R];
-  for (int r = 0; r < R; ++r) {
-    x[r] = a.qrow(m0 + r);
-    s16[r] = a.srow(m0 + r);
-    dx[r] = a.drow(m0 + r);
-  }
+  const Rows<R> rw(a, m0);
+  const int8_t* const* x = rw.q;
+  const int16_t* const* s16 = rw.s;
+  const float* const* dx = rw.d;
   __m512 f[R];
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
