@@ -52,8 +52,9 @@ namespace {
 
 // GGML type ids (ggml.h)
 enum : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-// Q4_K blocks of 16 channels interleaved (`repack_q4k_x16`): not a GGML type, the kernels' own layout
-constexpr int64_t kQ4_KX16 = 112, kQ6_KX16 = 114;  // and Q6_K (`repack_q6k_x16`)
+// Q4_K / Q6_K blocks of 16 channels interleaved (`repack_q4k_x16`, `repack_q6k_x16`): not GGML types, the
+// kernels' own layouts
+constexpr int64_t kQ4_KX16 = 112, kQ6_KX16 = 114;
 inline bool is_x16(int64_t t) { return t == kQ4_KX16 || t == kQ6_KX16; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -1169,7 +1170,7 @@ void dot_q32_zg(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 }
 #endif
 
-// ---- Q4_K, 16 channels interleaved: the channels in the vector lanes ---------------------------------
+// ---- Q4_K and Q6_K, 16 channels interleaved: the channels in the vector lanes -----------------------
 // `repack_q4k_x16` lays out each block of 16 channels (rows of the weight) side by side, 2368 bytes where
 // the file has 16 x 144: d and dmin of the 16 channels (fp16), the 8 six-bit scales unpacked to bytes
 // (sc[j][c]), the 8 mins likewise as 4-byte groups (mn[j / 4][c][j % 4]), then the quants: 32 registers of

@@ -16,7 +16,6 @@ u64 into the data section, which starts at the next multiple of `general.alignme
 from __future__ import annotations
 
 import mmap
-
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +79,6 @@ class GGUFFile:
         start = -(-self._pos // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
 
-
     def release_pages(self) -> None:
         """Let the OS drop this process's resident pages of the file (a read-only shared map: whatever is
         used again is read back from the page cache): after load, once the kernels hold their own layouts of
@@ -88,6 +86,7 @@ class GGUFFile:
         mapped = getattr(self._map, "_mmap", None)
         if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
             mapped.madvise(mmap.MADV_DONTNEED)
+
     def get_field(self, key: str) -> Field | None:
         return self.fields.get(key)
 

@@ -52,11 +52,12 @@ class QuantLinear(nn.Module):
         # what the kernels read: Q4_K / Q6_K parts 16 channels interleaved where that build runs them faster
         # (the same bits); the file's blocks stay for select_rows / dequantize_rows
         self.kernel_types = list(self.types)
+        self._kernel_buffers = [f"blocks_{i}" for i in range(len(parts))]
         interleave = interleaves()
         for i, (w, t) in enumerate(parts):
             if interleave and t in X16_TYPES and w.shape[0] % 16 == 0:
                 self.register_buffer(f"kblocks_{i}", repack_x16(w, t), persistent=False)
-                self.kernel_types[i] = X16_TYPES[t]
+                self.kernel_types[i], self._kernel_buffers[i] = X16_TYPES[t], f"kblocks_{i}"
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
 
     @property
@@ -65,7 +66,7 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel_blocks(self) -> list[torch.Tensor]:
-        return [getattr(self, f"kblocks_{i}" if t != s else f"blocks_{i}") for i, (t, s) in enumerate(zip(self.kernel_types, self.types))]
+        return [getattr(self, name) for name in self._kernel_buffers]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return qmm(x, self.kernel_blocks, self.kernel_types, self.bias)
