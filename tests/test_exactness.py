@@ -131,6 +131,20 @@ def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
     assert accepted > 0
 
 
+def test_shipped_medusa_heads_run_together_give_each_head_its_own_bits(pair):
+    """On the target's blocks the heads' states go through the output layer as one multi-row call: each
+    head's logits are the bits of running it alone (the kernels' row invariance)."""
+    from specdec.heads.modules import load_heads, resolve_heads
+
+    head = load_heads(resolve_heads("qwen2.5-coder-1.5b-instruct-medusa"), pair.target, "medusa")
+    hidden = torch.randn(pair.target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(pair.target.dtype)
+    together = head(hidden)
+    for i, block in enumerate(head.blocks):
+        assert torch.equal(together[i], head.logits(block(hidden)))
+    assert torch.equal(head(hidden, 2), together[:2])
+
+
 def test_tree_nodes_get_the_bits_of_their_path_decoded_alone(pair):
     """A tree verified in one pass gives every node the logits that decoding its path one token at a time
     gives, bit for bit (regression: nodes attended through one batched matmul over all nodes took another

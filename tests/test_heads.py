@@ -57,3 +57,21 @@ def test_heads_for_another_target_are_refused(tmp_path):
         load_heads(tmp_path, other)
     with pytest.raises(ValueError, match="holds medusa heads, not eagle"):
         load_heads(tmp_path, target, "eagle")
+
+
+def test_medusa_heads_asked_for_the_first_n_give_those_heads_logits():
+    """A draft k deep runs only heads 0..k-1, their states through the output layer together; each head's
+    logits are those it gives when all heads run, and those of running it alone."""
+    target = tiny_model("qwen2", seed=0)
+    head = MedusaHeads(HeadsConfig.for_target("medusa", target, "tiny-a", vocab_size=64, num_heads=3))
+    with torch.no_grad():
+        for block in head.blocks:
+            block.linear.weight.normal_(0.0, 0.05)
+    head.attach(target)
+    hidden = torch.randn(target.config.hidden_size)
+    every = head(hidden)
+    assert every.shape == (3, 64)
+    for n in (1, 2, 3):
+        assert torch.allclose(head(hidden, n), every[:n], atol=1e-6)
+    alone = head.logits(head.blocks[1](hidden))
+    assert torch.allclose(every[1], alone, atol=1e-6)

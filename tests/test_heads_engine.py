@@ -203,8 +203,8 @@ class FixedHeads:
         self.config = type("Config", (), {"num_heads": len(probs)})()
         self.vocab_ids = torch.arange(self.logits.shape[1])
 
-    def __call__(self, state: torch.Tensor) -> torch.Tensor:
-        return self.logits
+    def __call__(self, state: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        return self.logits[:num_heads]
 
     def expand(self, reduced: torch.Tensor, vocab: int) -> torch.Tensor:
         return reduced.new_full((*reduced.shape[:-1], vocab), float("-inf")).index_copy_(-1, self.vocab_ids, reduced)

@@ -173,10 +173,6 @@ class _Head(nn.Module):
         out = reduced.new_full((*reduced.shape[:-1], vocab), float("-inf"))
         return out.index_copy_(-1, self.vocab_ids, reduced)
 
-    def full_logits(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
-        """[..., vocab] fp32 logits of hidden states [..., H] over the target's vocabulary."""
-        return self.expand(self.logits(hidden), vocab)
-
 
 class ResBlock(nn.Module):
     """x + SiLU(W x + b), W zero-initialised: a new head starts as the target's own output layer."""
@@ -195,10 +191,12 @@ class MedusaHeads(_Head):
         super().__init__(config)
         self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (the target's final hidden state of token t) -> logits [..., num_heads, vocab_size];
-        head i guesses token t + 2 + i."""
-        return torch.stack([self.logits(block(hidden)) for block in self.blocks], dim=-2)
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden [..., H] (the target's final hidden state of token t) -> logits [..., n, vocab_size] of the
+        first n = num_heads (default: all) heads; head i guesses token t + 2 + i. The heads' states go through
+        the output layer together: one pass over its rows for all of them."""
+        blocks = self.blocks[:num_heads]
+        return self.logits(torch.stack([block(hidden) for block in blocks], dim=-2))
 
 
 class EagleHead(_Head):

@@ -20,13 +20,19 @@ from specdec.speculative.proposers import Draft, Proposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 
 
-def pick_children(seq, full_logits: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
-    """n child tokens from logits [V]: the top n (greedy) or n independent seeded draws (sampling, then
-    also the processed draft distribution [V] they were drawn from)."""
+def pick_children(seq, head, logits: torch.Tensor, vocab: int, n: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+    """n child tokens from the head's logits [vocab_size] over its reduced vocabulary: the top n (greedy) or n
+    independent seeded draws (sampling). Returns the tokens (the target's ids), the log-probabilities the
+    head gives them, and when sampling the processed draft distribution [vocab] they were drawn from (over
+    the target's vocabulary, as rejection sampling needs). Greedy picks never leave the reduced vocabulary,
+    so they skip the full-vocabulary logits."""
     if seq.params.greedy:
-        return torch.topk(full_logits, n).indices.tolist(), None
-    probs = process_logits(full_logits[None], seq.params)[0]
-    return torch.multinomial(probs, n, replacement=True, generator=seq.generator).tolist(), probs
+        top = torch.topk(logits, n).indices
+        logp = logits[top].float() - torch.logsumexp(logits.float(), -1)
+        return head.vocab_ids[top].tolist(), logp, None
+    probs = process_logits(head.expand(logits, vocab)[None], seq.params)[0]
+    picked = torch.multinomial(probs, n, replacement=True, generator=seq.generator)
+    return picked.tolist(), torch.log(probs[picked]), probs
 
 
 class _FeatureProposer(Proposer):
@@ -89,25 +95,24 @@ class _FeatureProposer(Proposer):
         scores: list[float] = []
         frontier = [-1]
         for d in range(depth):
-            logits = logits_of(frontier, tokens, parents)  # [len(frontier), V]
+            logits = logits_of(frontier, tokens, parents)  # [len(frontier), vocab_size]
             new = []
             for node, lg in zip(frontier, logits):
-                picked, dist = pick_children(seq, lg, tree.top_k)
-                logp = torch.log_softmax(lg.float(), -1) if dist is None else torch.log(dist)
+                picked, logp, dist = pick_children(seq, self.head, lg, self.vocab, tree.top_k)
                 base = 0.0 if node < 0 else scores[node]
-                for t in picked:
+                for t, lp in zip(picked, logp.tolist()):
                     new.append(len(tokens))
                     tokens.append(t)
                     parents.append(node)
-                    scores.append(base + float(logp[t]))
+                    scores.append(base + lp)
                     if dist is not None:
                         probs.append(dist)
             frontier = sorted(new, key=lambda i: -scores[i])[: tree.beam]
         return Draft(tokens, torch.stack(probs) if probs else None, parents)
 
     def _draft_static(self, seq, shape: TreeShape, logits_of) -> Draft:
-        """Grow `shape` depth by depth; `logits_of(parent_nodes)` gives the full-vocabulary draft logits
-        [len, V] at those nodes (-1: the root)."""
+        """Grow `shape` depth by depth; `logits_of(parent_nodes)` gives the head's draft logits [len,
+        vocab_size] (its reduced vocabulary) at those nodes (-1: the root)."""
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[torch.Tensor] = []
@@ -117,14 +122,12 @@ class _FeatureProposer(Proposer):
             level = [(p, path) for p, path in zip(shape.parents, shape.paths) if len(path) == depth]
             parent_paths = sorted({path[:-1] for _, path in level}, key=lambda q: node_of_path[q])
             parent_nodes = [node_of_path[q] for q in parent_paths]
-            logits = logits_of(parent_nodes, tokens, parents)  # [len(parent_nodes), V]
+            logits = logits_of(parent_nodes, tokens, parents)  # [len(parent_nodes), vocab_size]
             for q, node, lg in zip(parent_paths, parent_nodes, logits):
                 children = [path for _, path in level if path[:-1] == q]  # ranks 0..n-1
-                picked, dist = pick_children(seq, lg, len(children))
+                picked, logp, dist = pick_children(seq, self.head, lg, self.vocab, len(children))
                 if self.guess_kinds:  # a chain: one child, the head's probability of it
-                    t = picked[0]
-                    sureness.append(float(dist[t]) if dist is not None else
-                                    float(torch.exp(lg[t].float() - torch.logsumexp(lg.float(), -1))))
+                    sureness.append(float(torch.exp(logp[0])))
                 for path in children:
                     node_of_path[path] = len(tokens)
                     tokens.append(picked[path[-1]])
@@ -155,13 +158,14 @@ class MedusaProposer(_FeatureProposer):
             if shape is None or seq.draft_state is None:
                 drafts.append(Draft([]))
                 continue
-            logits = self.head.expand(self.head(seq.draft_state), self.vocab)  # [heads, V]
+            depth = shape[1] if isinstance(shape, tuple) else shape.depth
+            logits = self.head(seq.draft_state, depth)  # [depth, vocab_size]: only the heads the draft uses
             drafts.append(self._draft(seq, shape, partial(self._head_logits, logits)))
         return drafts
 
     @staticmethod
     def _head_logits(logits: torch.Tensor, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """A node at depth d (the root: 0) takes its children from head d: rows of logits [heads, V]."""
+        """A node at depth d (the root: 0) takes its children from head d: rows of logits [heads, vocab_size]."""
         node_depths = depths(parents)
         return logits[[0 if n < 0 else node_depths[n] for n in nodes]]
 
@@ -256,7 +260,6 @@ class EagleProposer(_FeatureProposer):
     def _logits_fn(self, seq, root: torch.Tensor):
         """logits_of(parent nodes) for `_draft`: reruns the head over the nodes drafted so far."""
         row, base = seq.row, len(seq.tokens) - 1  # the root's pair sits at position base - 1
-        vocab = self.vocab
         state = {"pred": None}
 
         def logits_of(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -268,7 +271,7 @@ class EagleProposer(_FeatureProposer):
                 state["pred"] = self.head(torch.stack(feats_in)[None], torch.tensor([tokens], device=root.device),
                                           pos, view, mask=mask)[0]  # [N, H]
             hidden = torch.stack([root if n < 0 else state["pred"][n] for n in nodes])
-            return self.head.full_logits(hidden, vocab)
+            return self.head.logits(hidden)
 
         return logits_of
 
