@@ -38,12 +38,15 @@ def test_method_names_map_to_speculative_configs():
     assert (medusa.name, medusa.spec.model, medusa.spec.tree) == ("medusa:my-heads:k=3:tree", "my-heads", "default")
     assert parse_method("draft:d:k=5:adaptive", TARGET).spec.adaptive
     assert parse_method("draft:d:vocab=65536", TARGET).spec.draft_vocab_size == 65536
+    q4 = parse_method("draft:d:quant=q4_0:k=4", TARGET)
+    assert (q4.name, q4.spec.draft_quantization) == ("draft:d:k=4:quant=q4_0", "q4_0")
     suffix = parse_method("suffix:tree:local", TARGET)  # K defaults to the trie's depth, as in vLLM
     assert suffix.name == "suffix:k=24:tree:local"
     assert (suffix.spec.tree, suffix.spec.suffix_decoding_max_cached_requests) == ("dynamic", 0)
     # every method's --speculative-config builds the same config back
     for name in ("ngram:k=2", "draft:d:k=5:adaptive", "medusa:k=2:tree", "eagle:k=4:dynamic", "draft:d",
-                 "suffix:k=8", "suffix:adaptive:tree", "suffix:local", "draft:d:k=4:vocab=32768"):
+                 "suffix:k=8", "suffix:adaptive:tree", "suffix:local", "draft:d:k=4:vocab=32768",
+                 "draft:d:k=4:vocab=32768:quant=q4_0"):
         method = parse_method(name, TARGET)
         assert build_speculative_config(None, None, method.config_json) == method.spec
     assert parse_method("plain", TARGET) == Method("plain", None) and Method("plain", None).config_json is None
@@ -54,7 +57,8 @@ def test_bad_method_names_are_refused_clearly():
                          ("draft:d:k=0", "k must be"), ("ngram:x", "ngram takes no model"),
                          ("suffix:x", "suffix takes no model"), ("ngram:local", "ngram takes no model"),
                          ("plain:k=2", "plain takes no options"), ("draft:d:e", "unknown option"),
-                         ("draft:d:vocab=0", "vocab must be"), ("ngram:vocab=8", "ngram takes no model")]:
+                         ("draft:d:vocab=0", "vocab must be"), ("ngram:vocab=8", "ngram takes no model"),
+                         ("draft:d:quant=q3", "draft_quantization must be one of")]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad, TARGET)
     with pytest.raises(ValueError, match="listed twice"):

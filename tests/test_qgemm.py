@@ -219,6 +219,56 @@ def test_q8_0_quantizer_round_trips_within_half_a_step():
     assert ((back.view(6, 2, 32) - w.view(6, 2, 32)).abs() <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
 
 
+def test_q4_0_quantizer_gives_ggufs_reference_bytes():
+    """quantize_q4_0 against the gguf package's reference quantizer (ggml's), on values of every scale, zero
+    blocks, constant blocks and blocks whose largest magnitudes tie in both signs; requantize_q4_0 (Q8_0 /
+    Q5_0 blocks straight to Q4_0, in C++) gives the bytes of dequantizing then quantizing."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(0)
+    for scale in (1e-3, 1.0, 100.0):
+        x = (rng.standard_normal((32, 256)) * scale).astype(np.float32)
+        x[0, :32], x[1, :32], x[2, :32] = 0.0, 1.0, -1.0
+        x[3, :2] = [5.0, -5.0]
+        x[4, :2] = [-5.0, 5.0]
+        ours = qgemm.quantize_q4_0(torch.from_numpy(x))
+        assert np.array_equal(ours.numpy(), quants.quantize(x, GGMLQuantizationType.Q4_0)), scale
+    for qtype in (8, 6):
+        w = random_blocks(qtype, 40, 512, seed=qtype)
+        assert torch.equal(qgemm.requantize_q4_0(w, qtype), qgemm.quantize_q4_0(dequantize_rows(w, qtype, 512)))
+    with pytest.raises(RuntimeError, match="from Q8_0 or Q5_0"):
+        qgemm.requantize_q4_0(random_blocks(12, 4, 256), 12)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm.quantize_q4_0(torch.randn(2, 48))
+
+
+def test_a_draft_requantized_to_q4_0_is_smaller_and_speculation_stays_exact(tmp_path):
+    """`draft_quantization: q4_0`: every matrix of more bits than Q4_0 requantized (Q4_K kept), the
+    output exactly the plain target's."""
+    from specdec.api import LLM
+    from specdec.config import SamplingParams
+    from specdec.models.loading import load_quantized
+    from specdec.models.qlinear import kernel_blocks
+    from test_tokenizer import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch="qwen2", tied=True)
+    _, model, _ = load_quantized(path, "q4_0", torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(t == 2 for m in linears for t in m.types)
+    q4k = random_blocks(12, 16, 256)
+    assert kernel_blocks(q4k, 12, 256, requantize=2)[1] == 12  # already 4.5 bits a weight: kept
+    assert kernel_blocks(random_blocks(14, 16, 256), 14, 256, requantize=2)[1] == 2
+    with pytest.raises(ValueError, match="Q8_0 or Q4_0"):
+        kernel_blocks(q4k, 12, 256, requantize=6)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(path), max_model_len=128).generate(["ab"], greedy)[0]
+    spec = LLM(str(path), max_model_len=128, speculative_config={
+        "model": str(path), "num_speculative_tokens": 3, "adaptive": False, "draft_quantization": "q4_0"})
+    out = spec.generate(["ab"], greedy)[0]
+    assert out.token_ids == plain.token_ids and out.metrics.num_drafts > 0
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_gguf_model_on_the_kernels_is_close_to_float_and_exact_under_speculation(tmp_path, arch):
     from specdec.api import LLM
@@ -247,19 +297,21 @@ def test_gguf_model_on_the_kernels_is_close_to_float_and_exact_under_speculation
     assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens == out.metrics.num_draft_tokens
 
 
-X16 = {12: "Q4_K", 14: "Q6_K"}
+X16 = {2: "Q4_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K"}
+X16_BYTES = {2: 288, 6: 352, 12: 2368, 14: 3360}  # a block of 16 channels
+X16_OTHER = {2: 6, 6: 8, 12: 14, 14: 12}  # another type of the same block size, in the file's layout
 
 
 @pytest.mark.parametrize("qtype", sorted(X16), ids=list(X16.values()))
 def test_16_channels_side_by_side_give_the_file_layouts_bits_for_any_rows_build_and_threads(qtype):
-    """Q4_K / Q6_K repacked 16 channels side by side (the kernels with the channels in the lanes) against
+    """Q4_K / Q6_K / Q4_0 / Q5_0 repacked 16 channels side by side (the kernels with the channels in the lanes) against
     the file's layout: the same bits for 1-64 rows, bf16 and fp32 activations, with a bias and next to other
     segments, one or two threads, and on every build (the others run its portable loop)."""
     K, N = 768, 48
     w = random_blocks(qtype, N, K, seed=5)
     w16, xtype = qgemm.repack_x16(w, qtype), qgemm.X16_TYPES[qtype]
-    assert w16.shape == (N // 16, K // 256 * {12: 2368, 14: 3360}[qtype])
-    other = random_blocks(26 - qtype, 16, K, seed=6)  # the other k-quant, in the file's layout
+    assert w16.shape == (N // 16, K // qgemm.BLOCK[qtype][0] * X16_BYTES[qtype])
+    other = random_blocks(X16_OTHER[qtype], 16, K, seed=6)
     bias = torch.randn(N + 16)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(64, K, dtype=dtype)
@@ -267,8 +319,8 @@ def test_16_channels_side_by_side_give_the_file_layouts_bits_for_any_rows_build_
         for M in (1, 2, 3, 4, 5, 7, 9, 13, 64):
             assert torch.equal(qgemm.qmm(x[:M], [w], [qtype]), alone[:M]), (dtype, M)
             assert torch.equal(qgemm.qmm(x[:M], [w16], [xtype]), alone[:M]), (dtype, M)
-        both = qgemm.qmm(x[:6], [w16, other], [xtype, 26 - qtype], bias)
-        assert torch.equal(both, qgemm.qmm(x[:6], [w, other], [qtype, 26 - qtype], bias))
+        both = qgemm.qmm(x[:6], [w16, other], [xtype, X16_OTHER[qtype]], bias)
+        assert torch.equal(both, qgemm.qmm(x[:6], [w, other], [qtype, X16_OTHER[qtype]], bias))
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -282,10 +334,13 @@ def test_16_channels_side_by_side_give_the_file_layouts_bits_for_any_rows_build_
 
 @pytest.mark.parametrize("qtype", sorted(X16), ids=list(X16.values()))
 def test_16_channels_side_by_side_at_the_largest_integer_sums(qtype):
-    """Every quant, scale and min at its largest (Q6_K: scales at -128 and 127), activations at +-127: the
-    16 channels' lanes at their bounds give the file layout's bits."""
-    K, N = 2304, 16
-    w = torch.full((N, K // 256, qgemm.BLOCK[qtype][1]), 0xFF, dtype=torch.uint8)
+    """Every quant, scale and min at its largest (Q6_K: scales at -128 and 127; Q4_0 / Q5_0 also at their
+    smallest, all bits 0), activations at +-127: the 16 channels' lanes at their bounds give the file
+    layout's bits."""
+    K, N = 2304, 32
+    w = torch.full((N, K // qgemm.BLOCK[qtype][0], qgemm.BLOCK[qtype][1]), 0xFF, dtype=torch.uint8)
+    if qtype in (2, 6):
+        w[16:] = 0
     for off in FP16_FIELDS[qtype]:
         w[..., off:off + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
     if qtype == 14:
@@ -307,6 +362,8 @@ def test_16_channel_layouts_refuse_what_they_cannot_lay_out():
         w16 = qgemm.repack_x16(random_blocks(qtype, 16, 512), qtype)
         with pytest.raises(RuntimeError, match="do not hold K"):
             qgemm.qmm(torch.randn(1, 768), [w16], [qgemm.X16_TYPES[qtype]])
+        with pytest.raises(RuntimeError, match="rows whole"):  # a row that ends inside a block
+            qgemm.repack_x16(random_blocks(qtype, 16, 512)[:, :-1], qtype)
     with pytest.raises(ValueError, match="no 16-channel layout"):
         qgemm.repack_x16(random_blocks(8, 16, 512), 8)
 
@@ -314,14 +371,16 @@ def test_16_channel_layouts_refuse_what_they_cannot_lay_out():
 def test_quant_linear_lays_out_16_channels_as_the_build_says_and_keeps_the_bits(monkeypatch):
     K = 512
     parts = [(random_blocks(12, 32, K, seed=7), 12), (random_blocks(14, 16, K, seed=8), 14),
-             (random_blocks(12, 8, K, seed=9), 12), (random_blocks(8, 16, K, seed=10), 8)]
+             (random_blocks(12, 8, K, seed=9), 12), (random_blocks(8, 16, K, seed=10), 8),
+             (random_blocks(6, 32, K, seed=11), 6), (random_blocks(2, 16, K, seed=12), 2)]
     x = torch.randn(3, K, dtype=torch.bfloat16)
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "0")
     plain = QuantLinear(parts, K)
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "1")
     mixed = QuantLinear(parts, K)
-    assert plain.kernel_types == [12, 14, 12, 8]
-    assert mixed.kernel_types == [qgemm.Q4_K_X16, qgemm.Q6_K_X16, 12, 8]  # 8 channels are not a block of 16
+    assert plain.kernel_types == [12, 14, 12, 8, 6, 2]
+    # 8 channels are not a block of 16; Q8_0 keeps the file's layout
+    assert mixed.kernel_types == [qgemm.Q4_K_X16, qgemm.Q6_K_X16, 12, 8, qgemm.Q5_0_X16, qgemm.Q4_0_X16]
     assert torch.equal(plain(x), mixed(x))
     ids = torch.tensor([1, 40, 50, 60])
     assert torch.equal(mixed.dequantize_rows(ids), plain.dequantize_rows(ids))  # from the file's blocks
@@ -357,7 +416,7 @@ def test_real_target_rows_are_invariant_for_every_block_type_in_the_files():
             ref = reference(x[:4].float(), w, int(t.tensor_type))
             y = qgemm.qmm(x[:4].float(), [w], [int(t.tensor_type)]).double()
             assert torch.allclose(y, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item()), t.name
-    assert {t for t, _ in seen} >= {8, 6, 12, 14}  # Q8_0, Q5_0, Q4_K and Q6_K all covered
+    assert {t for t, _ in seen} >= {8, 6, 12, 14}  # Q8_0, Q5_0, Q4_K and Q6_K all covered (and laid out)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

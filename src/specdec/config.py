@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # weight formats (see specdec.models.quant.resolve_quantization)
-QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "int8", "int4")
 # activation dtypes by name: vLLM's (half = float16, float = float32) and the short ones
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 

@@ -5,9 +5,10 @@
     suffix[:k=K][:adaptive][:tree][:local]
                                    suffix decoding (K: 24 unless given, a maximum); `tree`: the trie's branches;
                                    `local`: the request's own trie only (no global trie of past outputs)
-    draft:MODEL[:k=K][:adaptive][:vocab=N]
+    draft:MODEL[:k=K][:adaptive][:vocab=N][:quant=Q]
                                    a draft model (path or known name); `vocab=N`: it proposes only the
-                                   first N token ids and the special tokens (`draft_vocab_size`)
+                                   first N token ids and the special tokens (`draft_vocab_size`);
+                                   `quant=Q`: its weight format (`draft_quantization`, e.g. q4_0)
     medusa[:HEADS][:k=K][:tree]    Medusa heads (default: those shipped for the target, TARGET-medusa)
     eagle[:HEADS][:k=K][:tree|:dynamic]
 
@@ -56,6 +57,8 @@ class Method:
             d["suffix_decoding_max_cached_requests"] = 0
         if s.draft_vocab_size is not None:
             d["draft_vocab_size"] = s.draft_vocab_size
+        if s.draft_quantization != "auto":
+            d["draft_quantization"] = s.draft_quantization
         return json.dumps(d)
 
 
@@ -65,7 +68,7 @@ def parse_method(text: str, target: str) -> Method:
     if kind not in KINDS:
         raise ValueError(f"unknown method {text!r}; methods: " + ", ".join(KINDS))
     k, adaptive, tree, model, local = SUFFIX_K if kind == "suffix" else DEFAULT_K, False, None, None, False
-    vocab = None
+    vocab = quant = None
     for part in parts:
         if part.startswith("k="):
             if not part[2:].isdigit() or int(part[2:]) < 1:
@@ -81,10 +84,12 @@ def parse_method(text: str, target: str) -> Method:
             if not part[6:].isdigit() or int(part[6:]) < 1:
                 raise ValueError(f"{text!r}: vocab must be a whole number >= 1")
             vocab = int(part[6:])
+        elif part.startswith("quant=") and kind == "draft":
+            quant = part[6:]
         elif model is None and part:
             model = part
         else:
-            raise ValueError(f"{text!r}: unknown option {part!r} (k=K, adaptive, tree, dynamic, local, vocab=N)")
+            raise ValueError(f"{text!r}: unknown option {part!r} (k=K, adaptive, tree, dynamic, local, vocab=N, quant=Q)")
     if kind == "plain":
         if parts:
             raise ValueError(f"{text!r}: plain takes no options")
@@ -99,11 +104,14 @@ def parse_method(text: str, target: str) -> Method:
     extra = {"suffix_decoding_max_cached_requests": 0} if local else {}
     if vocab is not None:
         extra["draft_vocab_size"] = vocab
+    if quant is not None:
+        extra["draft_quantization"] = quant
     spec = SpeculativeConfig(method="draft_model" if kind == "draft" else kind, model=model,
                              num_speculative_tokens=k, adaptive=adaptive, tree=tree, **extra)
     options = [f"k={k}"] + (["adaptive"] if adaptive else []) + \
         {None: [], "default": ["tree"], "dynamic": ["tree" if kind == "suffix" else "dynamic"]}[tree] + \
-        (["local"] if local else []) + ([f"vocab={vocab}"] if vocab is not None else [])
+        (["local"] if local else []) + ([f"vocab={vocab}"] if vocab is not None else []) + \
+        ([f"quant={quant}"] if quant is not None else [])
     return Method(":".join([kind, *named, *options]), spec)
 
 

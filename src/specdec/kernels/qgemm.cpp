@@ -52,10 +52,11 @@ namespace {
 
 // GGML type ids (ggml.h)
 enum : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-// Q4_K / Q6_K blocks of 16 channels interleaved (`repack_q4k_x16`, `repack_q6k_x16`): not GGML types, the
-// kernels' own layouts
-constexpr int64_t kQ4_KX16 = 112, kQ6_KX16 = 114;
-inline bool is_x16(int64_t t) { return t == kQ4_KX16 || t == kQ6_KX16; }
+// Q4_K / Q6_K / Q4_0 / Q5_0 blocks of 16 channels interleaved (`repack_q4k_x16`, `repack_q6k_x16`,
+// `repack_q40_x16`, `repack_q50_x16`): not GGML types, the kernels' own layouts (type + 100)
+constexpr int64_t kQ4_KX16 = 112, kQ6_KX16 = 114, kQ4_0X16 = 102, kQ5_0X16 = 106;
+inline bool is_x16_k(int64_t t) { return t == kQ4_KX16 || t == kQ6_KX16; }
+inline bool is_x16(int64_t t) { return is_x16_k(t) || t == kQ4_0X16 || t == kQ5_0X16; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr int kMaxRows = 12;  // 32 vector registers: the k-quants' fixed lanes keep one a row (two trees: 8 and
@@ -1433,13 +1434,135 @@ void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 }
 #endif
 
+// Q4_0 / Q5_0, 16 channels side by side (`repack_q40_x16`, `repack_q50_x16`), as many bytes as the file's 16
+// blocks: d of the 16 channels (fp16), then 4 registers of 64 bytes whose byte 4c + t is the file's quant
+// byte 4u + t of channel c (register u: value 4u + t in the low nibble, 16 + 4u + t in the high one), then
+// for Q5_0 the fifth bits as 8 masks of 64 bits (mask l: bit 4c + t is that of channel c's value 4l + t).
+// A u8 x s8 dot product of a register's nibbles (and fifth bits) with 4 broadcast activations, started
+// from -8 (Q4_0) or -16 (Q5_0) x their sum, is lane l's integer of the file-layout kernels (`dot4`: values
+// 4l..4l + 3) for 16 channels at once; each lane then takes the fp32 steps of those kernels in their order
+// (even and odd blocks on two chains, lane by lane), and `hsum`'s tree closes each channel: the same bits.
+constexpr int64_t kX16Q32Qs = 32, kX16Q5Hi = 288;
+
+template <bool Q5>
+at::Tensor repack_q32_x16(const at::Tensor& w) {
+  constexpr int64_t in = Q5 ? 22 : 18, qs = Q5 ? 6 : 2;
+  return repack_x16(w, Q5 ? "Q5_0" : "Q4_0", in, Q5 ? 352 : 288, [](uint8_t* o, int c, const uint8_t* b) {
+    std::memcpy(o + 2 * c, b, 2);
+    for (int u = 0; u < 4; ++u) std::memcpy(o + kX16Q32Qs + 64 * u + 4 * c, b + qs + 4 * u, 4);
+    if (Q5) {
+      uint32_t high;
+      std::memcpy(&high, b + 2, 4);
+      for (int l = 0; l < 8; ++l) {  // 4 bits of channel c in byte c / 2 of mask l
+        uint8_t& m = o[kX16Q5Hi + 8 * l + c / 2];
+        m = static_cast<uint8_t>((c % 2 ? m & 0x0F : 0) | (((high >> (4 * l)) & 0xF) << (4 * (c % 2))));
+      }
+    }
+  });
+}
+at::Tensor repack_q40_x16(at::Tensor w) { return repack_q32_x16<false>(w); }
+at::Tensor repack_q50_x16(at::Tensor w) { return repack_q32_x16<true>(w); }
+
+template <bool Q5>
+inline int q32x16_value(const uint8_t* b, int c, int v) {  // weight v (0..31) of channel c, after the offset
+  const int u = (v % 16) / 4, t = v % 4;
+  const int nib = (b[kX16Q32Qs + 64 * u + 4 * c + t] >> (v < 16 ? 0 : 4)) & 0xF;
+  if (!Q5) return nib - 8;
+  const int bit = (b[kX16Q5Hi + 8 * (v / 4) + c / 2] >> (4 * (c % 2) + t)) & 1;
+  return (nib | (bit << 4)) - 16;
+}
+
+// R rows x 16 channels; out[16 r + c]. The portable form (every build): lane integers, then the steps.
+template <int R, bool Q5>
+void dot_q32x16_scalar(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = Q5 ? 352 : 288;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 16; ++c) {
+      const int8_t* x = a.qrow(m0 + r);
+      float f[2][8] = {};
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* b = w + i * bytes;
+        const float s = a.drow(m0 + r)[i] * fp16(b + 2 * c);
+        for (int l = 0; l < 8; ++l) {
+          int32_t L = 0;
+          for (int v = 4 * l; v < 4 * l + 4; ++v) L += q32x16_value<Q5>(b, c, v) * x[i * 32 + v];
+          f[i & 1][l] = std::fma(static_cast<float>(L), s, f[i & 1][l]);
+        }
+      }
+      float t[8];
+      for (int l = 0; l < 8; ++l) t[l] = f[0][l] + f[1][l];
+      out[16 * r + c] = ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+    }
+}
+
+#if defined(SPECDEC_Z512)
+// One row at a time over the whole column of 16 channels (a few KiB: in L1 for the next rows), its 16
+// accumulators (8 lanes x 2 chains) in registers.
+template <int R, bool Q5>
+void dot_q32x16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = Q5 ? 352 : 288;
+  constexpr int32_t offset = Q5 ? -16 : -8;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.qrow(m0 + r);
+    const float* dx = a.drow(m0 + r);
+    __m512 f[2][8];
+    for (int p = 0; p < 2; ++p)
+      for (int l = 0; l < 8; ++l) f[p][l] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = w + i * bytes;
+      if (r == 0)
+        for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(b + kX16Ahead + l, 0, 1);
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(dx[i]), _mm512_cvtph_ps(load(b)));  // dx * d
+      // lane l's start: offset x the sum of the row's values 4l..4l + 3
+      alignas(32) int32_t start[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(start),
+                         _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, load(x + i * 32)),
+                                            _mm256_set1_epi32(offset)));
+      __m512* fi = f[i & 1];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512i P = _mm512_loadu_si512(b + kX16Q32Qs + 64 * u);
+        __m512i ql = _mm512_and_si512(P, m4), qh = _mm512_and_si512(_mm512_srli_epi16(P, 4), m4);
+        if (Q5) {
+          uint64_t hl, hh;
+          std::memcpy(&hl, b + kX16Q5Hi + 8 * u, 8);
+          std::memcpy(&hh, b + kX16Q5Hi + 8 * (u + 4), 8);
+          ql = _mm512_mask_add_epi8(ql, hl, ql, b16);  // the fifth bit: + 16 where set
+          qh = _mm512_mask_add_epi8(qh, hh, qh, b16);
+        }
+        const __m512i lo = _mm512_dpbusd_epi32(_mm512_set1_epi32(start[u]), ql, bcast32(x + i * 32 + 4 * u));
+        const __m512i hi = _mm512_dpbusd_epi32(_mm512_set1_epi32(start[u + 4]), qh, bcast32(x + i * 32 + 16 + 4 * u));
+        fi[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), s, fi[u]);
+        fi[u + 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), s, fi[u + 4]);
+      }
+    }
+    __m512 t[8];
+    for (int l = 0; l < 8; ++l) t[l] = _mm512_add_ps(f[0][l], f[1][l]);
+    _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[4]), _mm512_add_ps(t[2], t[6])),
+                                                 _mm512_add_ps(_mm512_add_ps(t[1], t[5]), _mm512_add_ps(t[3], t[7]))));
+  }
+}
+#endif
+
 using X16Fn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
 template <int R>
 X16Fn x16_for(int64_t type) {
 #if defined(SPECDEC_Z512)
-  return type == kQ6_KX16 ? &dot_q6kx16<R> : &dot_q4kx16<R>;
+  switch (type) {
+    case kQ4_KX16: return &dot_q4kx16<R>;
+    case kQ6_KX16: return &dot_q6kx16<R>;
+    case kQ4_0X16: return &dot_q32x16<R, false>;
+    default: return &dot_q32x16<R, true>;
+  }
 #else
-  return type == kQ6_KX16 ? &dot_q6kx16_scalar<R> : &dot_q4kx16_scalar<R>;
+  switch (type) {
+    case kQ4_KX16: return &dot_q4kx16_scalar<R>;
+    case kQ6_KX16: return &dot_q6kx16_scalar<R>;
+    case kQ4_0X16: return &dot_q32x16_scalar<R, false>;
+    default: return &dot_q32x16_scalar<R, true>;
+  }
 #endif
 }
 X16Fn x16_fn(int64_t type, int rows) {
@@ -1521,7 +1644,7 @@ Dot2Fn dot2_fn(int64_t type, int rows) {
   return nullptr;
 }
 
-bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K || is_x16(t); }
+bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K || is_x16_k(t); }
 
 int64_t block_bytes(int64_t t) {
   switch (t) {
@@ -1533,6 +1656,8 @@ int64_t block_bytes(int64_t t) {
     case kQ6_K: return 210;
     case kQ4_KX16: return kX16Bytes;  // a block of 16 channels
     case kQ6_KX16: return kX16Q6Bytes;
+    case kQ4_0X16: return 288;
+    case kQ5_0X16: return 352;
   }
   return 0;
 }
@@ -2225,6 +2350,51 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
   return at::add(x1, qmm(act, dn_w, dn_t, c10::nullopt).view({B, Tn, Hd}));
 }
 
+// Q8_0 or Q5_0 blocks [N, row_bytes] -> Q4_0 blocks [N, K / 32 * 18]: each block's values as the file gives
+// them (d x quant, in fp32), quantized as ggml's reference quantizer does (`quantize_q4_0` in qgemm.py: the
+// scale m / -8 from the value of largest magnitude, quants min(15, (int) (v / d + 8.5))). A smaller draft.
+at::Tensor requantize_q4_0(at::Tensor w, int64_t type) {
+  TORCH_CHECK(type == kQ8_0 || type == kQ5_0, "requantize_q4_0: from Q8_0 or Q5_0 blocks, not type ", type);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2, "requantize_q4_0: uint8 [N, row_bytes] blocks");
+  w = w.contiguous();
+  const int64_t in = block_bytes(type), N = w.size(0), nb = w.size(1) / in;
+  TORCH_CHECK(w.size(1) % in == 0, "requantize_q4_0: rows of whole blocks");
+  auto out = at::empty({N, nb * 18}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N * nb, 4096, [&](int64_t b0, int64_t b1) {
+    for (int64_t k = b0; k < b1; ++k) {
+      const uint8_t* b = src + k * in;
+      const float d = fp16(b);
+      float v[32];
+      for (int j = 0; j < 32; ++j) {
+        int q;
+        if (type == kQ8_0) {
+          q = static_cast<int8_t>(b[2 + j]);
+        } else {
+          uint32_t high;
+          std::memcpy(&high, b + 2, 4);
+          q = (((b[6 + j % 16] >> (j < 16 ? 0 : 4)) & 0xF) | (((high >> j) & 1) << 4)) - 16;
+        }
+        v[j] = d * static_cast<float>(q);
+      }
+      float amax = 0.f, m = 0.f;
+      for (int j = 0; j < 32; ++j)
+        if (amax < std::fabs(v[j])) { amax = std::fabs(v[j]); m = v[j]; }
+      const float dq = m / -8.f, id = dq != 0.f ? 1.f / dq : 0.f;
+      uint8_t* o = dst + k * 18;
+      const uint16_t h = c10::detail::fp16_ieee_from_fp32_value(dq);
+      std::memcpy(o, &h, 2);
+      for (int j = 0; j < 16; ++j) {
+        const float a = v[j] * id, c = v[16 + j] * id;  // two roundings: a product, then a sum (no fma)
+        const int qa = std::min(15, static_cast<int>(a + 8.5f)), qc = std::min(15, static_cast<int>(c + 8.5f));
+        o[2 + j] = static_cast<uint8_t>(qa | (qc << 4));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // Whether this build multiplies many rows on the tile unit here (the AMX build, once the OS allows it).
@@ -2243,6 +2413,9 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
   m.def("repack_q4k_x16(Tensor w) -> Tensor", &repack_q4k_x16);
   m.def("repack_q6k_x16(Tensor w) -> Tensor", &repack_q6k_x16);
+  m.def("repack_q40_x16(Tensor w) -> Tensor", &repack_q40_x16);
+  m.def("repack_q50_x16(Tensor w) -> Tensor", &repack_q50_x16);
+  m.def("requantize_q4_0(Tensor w, int type) -> Tensor", &requantize_q4_0);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);

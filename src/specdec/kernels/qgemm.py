@@ -49,9 +49,11 @@ _ISA_CPU_FLAGS = {
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 SUPPORTED_TYPES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-# Q4_K and Q6_K with 16 channels interleaved (`repack_x16`): the kernels' own layouts, not GGML types
-Q4_K, Q6_K, Q4_K_X16, Q6_K_X16 = 12, 14, 112, 114
-X16_TYPES = {Q4_K: Q4_K_X16, Q6_K: Q6_K_X16}
+# Q4_K, Q6_K, Q4_0 and Q5_0 with 16 channels interleaved (`repack_x16`): the kernels' own layouts, not GGML
+# types (the file's type + 100)
+Q4_0, Q5_0, Q4_K, Q6_K = 2, 6, 12, 14
+Q4_0_X16, Q5_0_X16, Q4_K_X16, Q6_K_X16 = 102, 106, 112, 114
+X16_TYPES = {Q4_K: Q4_K_X16, Q6_K: Q6_K_X16, Q4_0: Q4_0_X16, Q5_0: Q5_0_X16}
 
 _lock = threading.Lock()
 _ops: dict[str, object] = {}
@@ -164,14 +166,14 @@ def interleaves() -> bool:
 
 
 def repack_x16(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Q4_K or Q6_K blocks uint8 [N, row_bytes] (N a multiple of 16) -> uint8 [N / 16, K / 256 * 2368 (Q4_K)
-    or 3360 (Q6_K)]: each block of 16 channels interleaved (the quants of channel c in lane c of each 64-byte
-    register), for `qmm` with type `X16_TYPES[qtype]`. Computes the same bits as the blocks themselves."""
-    if qtype == Q4_K:
-        return ops().repack_q4k_x16(blocks.contiguous())
-    if qtype == Q6_K:
-        return ops().repack_q6k_x16(blocks.contiguous())
-    raise ValueError(f"no 16-channel layout for type {qtype}")
+    """Q4_K, Q6_K, Q4_0 or Q5_0 blocks uint8 [N, row_bytes] (N a multiple of 16) -> uint8 [N / 16, 16 x
+    row_bytes] (Q4_K: K / 256 * 2368, the scales unpacked): each block of 16 channels interleaved (the
+    quants of channel c in lane c of each 64-byte register), for `qmm` with type `X16_TYPES[qtype]`.
+    Computes the same bits as the blocks themselves."""
+    repack = {Q4_K: "repack_q4k_x16", Q6_K: "repack_q6k_x16", Q4_0: "repack_q40_x16", Q5_0: "repack_q50_x16"}
+    if qtype not in repack:
+        raise ValueError(f"no 16-channel layout for type {qtype}")
+    return getattr(ops(), repack[qtype])(blocks.contiguous())
 
 
 def unavailable_reason() -> str | None:
@@ -200,6 +202,32 @@ def qmm(
     shape = x.shape
     y = ops(isa).qmm(x.reshape(-1, shape[-1]), weights, types, bias)
     return y.view(*shape[:-1], y.shape[-1])
+
+
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """float [N, K] -> Q4_0 blocks uint8 [N, K // 32 * 18], as ggml's reference quantizer does: each block of
+    32 values has the scale d = m / -8 (m: its value of largest magnitude, with its sign) and the quants
+    min(15, floor(v / d + 8.5)), value j in the low nibble of byte j and value 16 + j in its high nibble.
+    K must be a multiple of 32. Example: a block whose largest magnitude is -2.0 -> d = 0.25, and 1.0 -> 12."""
+    N, K = w.shape
+    if K % 32:
+        raise ValueError(f"Q4_0 needs rows of a multiple of 32 values, not {K}")
+    blocks = w.float().reshape(N, K // 32, 32)
+    at = blocks.abs().argmax(-1, keepdim=True)  # the first of equal magnitudes, as ggml's strict `<` keeps
+    d = blocks.gather(-1, at).squeeze(-1) / -8
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    # ggml truncates (int8) (x + 8.5) toward zero; the sum is >= 0 but for rounding, so floor and clamp below
+    q = torch.floor(blocks * inv[..., None] + 8.5).clamp(0, 15).to(torch.uint8)
+    out = torch.empty(N, K // 32, 18, dtype=torch.uint8)
+    out[..., :2] = d.to(torch.float16).view(torch.uint8).reshape(N, K // 32, 2)
+    out[..., 2:] = q[..., :16] | (q[..., 16:] << 4)
+    return out.reshape(N, K // 32 * 18)
+
+
+def requantize_q4_0(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q8_0 or Q5_0 blocks uint8 [N, row_bytes] -> Q4_0 blocks [N, K // 32 * 18]: the bytes of
+    `quantize_q4_0(dequantize_rows(blocks, qtype, K))`, computed block by block in C++."""
+    return ops().requantize_q4_0(blocks.contiguous(), qtype)
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:

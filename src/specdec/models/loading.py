@@ -25,11 +25,11 @@ from torch import nn
 from tqdm import tqdm
 
 from specdec.config import ModelConfig
-from specdec.kernels.qgemm import quantize_q8_0
+from specdec.kernels.qgemm import quantize_q4_0, quantize_q8_0
 from specdec.models.dequant import dequantize
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.llama import Attention, RMSNorm, Transformer, meta_skeleton, rope_inv_freq
-from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear, kernel_blocks
+from specdec.models.qlinear import Q4_0, Q8_0, QuantEmbedding, QuantLinear, kernel_blocks
 from specdec.models.tokenizer import Tokenizer, gguf_eos_token_ids, gguf_field
 
 MAX_SHARD_BYTES = 4 << 30
@@ -347,20 +347,26 @@ class _GGUFSource:
 
 
 class _FloatSource:
-    """A float state dict, quantized to Q8_0 matrix by matrix as the model is built."""
+    """A float state dict, quantized to `qtype` (Q8_0 or Q4_0) matrix by matrix as the model is built."""
 
-    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], qtype: int = Q8_0) -> None:
         self.weights = weights
+        self.qtype = qtype
 
     def has(self, name: str) -> bool:
         return name in self.weights
 
     def blocks(self, name: str) -> tuple[torch.Tensor, int, int]:
         w = self.weights.pop(name)  # the float copy is freed as soon as it is quantized
-        return quantize_q8_0(w), Q8_0, int(w.shape[1])
+        quantize = quantize_q4_0 if self.qtype == Q4_0 else quantize_q8_0
+        return quantize(w), self.qtype, int(w.shape[1])
 
     def vector(self, name: str) -> torch.Tensor:
         return self.weights[name].float()
+
+
+# block format -> the type every matrix is requantized to (None: the file's own where the kernels run it)
+REQUANTIZE = {"gguf": None, "q8_0": Q8_0, "q4_0": Q4_0}
 
 
 def load_quantized(
@@ -369,28 +375,31 @@ def load_quantized(
     """A model whose matrices run on specdec's block kernels, activations in `dtype`.
 
     method `gguf`: a GGUF's own blocks, used in place from a memory map (types the kernels lack are
-    requantized to Q8_0); `q8_0`: every matrix requantized to Q8_0. A Hugging Face folder (float
-    safetensors) is quantized to Q8_0 with either method.
+    requantized to Q8_0); `q8_0` / `q4_0`: every matrix requantized to Q8_0 / Q4_0 (from the file's values:
+    Q4_0 is a smaller, faster draft, at some cost in agreement). A Hugging Face folder (float safetensors)
+    is quantized to Q8_0 (`gguf`, `q8_0`) or Q4_0.
     """
-    if method not in ("gguf", "q8_0"):
-        raise ValueError(f"unknown block format {method!r}; choose gguf or q8_0")
+    if method not in REQUANTIZE:
+        raise ValueError(f"unknown block format {method!r}; choose {', '.join(REQUANTIZE)}")
     path = _checked_path(path)
     if path.suffix == ".gguf":
         reader = GGUFFile(path)
         config = gguf_config(reader)
         with warnings.catch_warnings():  # a read-only map: the kernels never write the weights
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            model = build_quantized(config, _GGUFSource(reader, config), dtype, requantize=method == "q8_0")
+            model = build_quantized(config, _GGUFSource(reader, config), dtype, requantize=REQUANTIZE[method])
         tokenizer = Tokenizer.from_gguf(reader)
         reader.release_pages()
         return config, model, tokenizer
     config = hf_config(path)
     weights = load_safetensors(path, config, torch.float32, "cpu")
-    return config, build_quantized(config, _FloatSource(weights), dtype), Tokenizer.from_folder(path)
+    source = _FloatSource(weights, REQUANTIZE[method] or Q8_0)
+    return config, build_quantized(config, source, dtype), Tokenizer.from_folder(path)
 
 
-def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize: bool = False) -> Transformer:
-    """A Transformer with QuantLinear matrices (Q/K/V fused, gate/up fused) and a QuantEmbedding."""
+def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize: int | None = None) -> Transformer:
+    """A Transformer with QuantLinear matrices (Q/K/V fused, gate/up fused) and a QuantEmbedding; every
+    matrix requantized to type `requantize` when given (see `kernel_blocks`)."""
     with meta_skeleton():
         model = Transformer(config)
 
@@ -398,7 +407,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         parts = []
         for name in names:
             blocks, qtype, row_len = source.blocks(name)
-            parts.append(kernel_blocks(blocks, qtype, row_len, force_q8_0=requantize))
+            parts.append(kernel_blocks(blocks, qtype, row_len, requantize))
         bias = torch.cat([source.vector(n) for n in bias_names]) if bias_names else None
         return QuantLinear(parts, row_len, bias)
 

@@ -4,7 +4,8 @@
 of the file (no copy: the GGUF is memory-mapped) and computes them in one call, so Q, K and V (or gate
 and up) read the activations once and quantize them once. `QuantEmbedding` dequantizes only the rows it
 looks up. Weights in types the kernels do not run (Q4_1, Q5_1, the other k-quants, F16/BF16/F32
-matrices) are requantized once to Q8_0 at load.
+matrices) are requantized once to Q8_0 at load; a model can also have every matrix requantized to Q8_0 or
+Q4_0 (`load_quantized` methods `q8_0`, `q4_0`: a smaller, faster draft).
 """
 
 from __future__ import annotations
@@ -13,17 +14,29 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from specdec.kernels.qgemm import SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q8_0, repack_x16
+from specdec.kernels.qgemm import (Q4_K, Q5_0, SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q4_0, quantize_q8_0,
+                                   repack_x16, requantize_q4_0)
 from specdec.models.dequant import dequantize_rows
 
 Q8_0 = int(GGMLQuantizationType.Q8_0)
+Q4_0 = int(GGMLQuantizationType.Q4_0)
 
 
-def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int, force_q8_0: bool = False) -> tuple[torch.Tensor, int]:
-    """(blocks, type) the kernels can run: the file's own when its type is supported (and Q8_0 is not
-    forced), else Q8_0 made from the dequantized rows. blocks: uint8 [N, row_bytes]."""
-    if qtype == Q8_0 or (qtype in SUPPORTED_TYPES and not force_q8_0):
+def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int, requantize: int | None = None) -> tuple[torch.Tensor, int]:
+    """(blocks, type) the kernels can run: the file's own when its type is supported and no other type is
+    asked for, else the dequantized rows requantized to `requantize` (default Q8_0). With Q4_0, blocks of
+    no more bits than Q4_0 (Q4_0, Q4_K: 4.5 a weight) stay as they are: a smaller model, never a larger one.
+    blocks: uint8 [N, row_bytes]."""
+    if requantize not in (None, Q8_0, Q4_0):
+        raise ValueError(f"blocks are requantized to Q8_0 or Q4_0, not type {requantize}")
+    if qtype == requantize or (requantize is None and qtype in SUPPORTED_TYPES):
         return blocks, qtype
+    if requantize == Q4_0:
+        if qtype == Q4_K:
+            return blocks, qtype
+        if qtype in (Q8_0, Q5_0):  # straight from the blocks, in C++ (a 136M-value output layer: ~0.3 s)
+            return requantize_q4_0(blocks, qtype), Q4_0
+        return quantize_q4_0(dequantize_rows(blocks, qtype, row_len)), Q4_0
     return quantize_q8_0(dequantize_rows(blocks, qtype, row_len)), Q8_0
 
 

@@ -64,13 +64,14 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-BLOCK_FORMATS = ("gguf", "q8_0")  # run by specdec.kernels.qgemm (see models.qlinear)
+BLOCK_FORMATS = ("gguf", "q8_0", "q4_0")  # run by specdec.kernels.qgemm (see models.qlinear)
 
 
 def resolve_quantization(method: str, device: torch.device) -> str:
     """`auto`: on CPU, the GGUF's own blocks (a Hugging Face folder: Q8_0 blocks), run by specdec's
-    integer kernels; on CUDA, none (bf16). `gguf`/`q8_0`: block kernels; `int8`/`int4`: earlier
-    weight-only formats (float activations times int weights); `none`: float weights."""
+    integer kernels; on CUDA, none (bf16). `gguf`/`q8_0`/`q4_0`: block kernels (`q8_0` and `q4_0`
+    requantize every matrix to that type); `int8`/`int4`: earlier weight-only formats (float activations
+    times int weights); `none`: float weights."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; choose {', '.join(QUANTIZATIONS)}")
     if method == "auto":
