@@ -153,10 +153,10 @@ def _pair_rows(lib_ops, trials: int = 5) -> int:
 
 
 def interleaves() -> bool:
-    """Whether Q4_K and Q6_K matrices (of a multiple of 16 rows) are laid out 16 channels side by side at
-    load (`repack_x16`): on the AVX-512 VNNI build (not the AMX one, whose tiles read the file's layout),
-    where the kernels on that layout keep the channels in the vector lanes and do a fraction of the work per
-    block (the same bits). `SPECDEC_QGEMM_X16=0|1` turns it off or on (on other builds: a portable loop, slow)."""
+    """Whether Q4_K, Q6_K, Q4_0 and Q5_0 matrices (of a multiple of 16 rows) are laid out 16 channels side by
+    side at load (`repack_x16`): on the AVX-512 VNNI build (not the AMX one, whose tiles read the file's
+    layout), where the kernels on that layout keep the channels in the vector lanes and do a fraction of the
+    work per block (the same bits). `SPECDEC_QGEMM_X16=0|1` turns it off or on (on other builds: a portable loop, slow)."""
     forced = os.environ.get("SPECDEC_QGEMM_X16")
     if forced:
         if forced not in ("0", "1"):

@@ -62,8 +62,8 @@ class QuantLinear(nn.Module):
             if t not in SUPPORTED_TYPES:
                 raise ValueError(f"part {i}: the kernels do not run type {t}; use kernel_blocks() first")
             self.register_buffer(f"blocks_{i}", w.contiguous(), persistent=False)
-        # what the kernels read: Q4_K / Q6_K parts 16 channels interleaved where that build runs them faster
-        # (the same bits); the file's blocks stay for select_rows / dequantize_rows
+        # what the kernels read: Q4_K / Q6_K / Q4_0 / Q5_0 parts 16 channels interleaved where that build runs
+        # them faster (the same bits); the file's blocks stay for select_rows / dequantize_rows
         self.kernel_types = list(self.types)
         self._kernel_buffers = [f"blocks_{i}" for i in range(len(parts))]
         interleave = interleaves()
