@@ -1442,12 +1442,13 @@ void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 // from -8 (Q4_0) or -16 (Q5_0) x their sum, is lane l's integer of the file-layout kernels (`dot4`: values
 // 4l..4l + 3) for 16 channels at once; each lane then takes the fp32 steps of those kernels in their order
 // (even and odd blocks on two chains, lane by lane), and `hsum`'s tree closes each channel: the same bits.
-constexpr int64_t kX16Q32Qs = 32, kX16Q5Hi = 288;
+constexpr int64_t kX16Q40Bytes = 288, kX16Q50Bytes = 352, kX16Q32Qs = 32, kX16Q5Hi = 288;
 
 template <bool Q5>
 at::Tensor repack_q32_x16(const at::Tensor& w) {
   constexpr int64_t in = Q5 ? 22 : 18, qs = Q5 ? 6 : 2;
-  return repack_x16(w, Q5 ? "Q5_0" : "Q4_0", in, Q5 ? 352 : 288, [](uint8_t* o, int c, const uint8_t* b) {
+  constexpr int64_t out = Q5 ? kX16Q50Bytes : kX16Q40Bytes;
+  return repack_x16(w, Q5 ? "Q5_0" : "Q4_0", in, out, [](uint8_t* o, int c, const uint8_t* b) {
     std::memcpy(o + 2 * c, b, 2);
     for (int u = 0; u < 4; ++u) std::memcpy(o + kX16Q32Qs + 64 * u + 4 * c, b + qs + 4 * u, 4);
     if (Q5) {
@@ -1475,7 +1476,7 @@ inline int q32x16_value(const uint8_t* b, int c, int v) {  // weight v (0..31) o
 // R rows x 16 channels; out[16 r + c]. The portable form (every build): lane integers, then the steps.
 template <int R, bool Q5>
 void dot_q32x16_scalar(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
-  constexpr int64_t bytes = Q5 ? 352 : 288;
+  constexpr int64_t bytes = Q5 ? kX16Q50Bytes : kX16Q40Bytes;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 16; ++c) {
       const int8_t* x = a.qrow(m0 + r);
@@ -1500,7 +1501,7 @@ void dot_q32x16_scalar(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, 
 // accumulators (8 lanes x 2 chains) in registers.
 template <int R, bool Q5>
 void dot_q32x16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
-  constexpr int64_t bytes = Q5 ? 352 : 288;
+  constexpr int64_t bytes = Q5 ? kX16Q50Bytes : kX16Q40Bytes;
   constexpr int32_t offset = Q5 ? -16 : -8;
   const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
   const __m256i ones = _mm256_set1_epi8(1);
@@ -1656,8 +1657,8 @@ int64_t block_bytes(int64_t t) {
     case kQ6_K: return 210;
     case kQ4_KX16: return kX16Bytes;  // a block of 16 channels
     case kQ6_KX16: return kX16Q6Bytes;
-    case kQ4_0X16: return 288;
-    case kQ5_0X16: return 352;
+    case kQ4_0X16: return kX16Q40Bytes;
+    case kQ5_0X16: return kX16Q50Bytes;
   }
   return 0;
 }

@@ -14,15 +14,16 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from specdec.kernels.qgemm import (Q4_K, Q5_0, SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q4_0, quantize_q8_0,
-                                   repack_x16, requantize_q4_0)
+from specdec.kernels.qgemm import (Q4_K, Q5_0, SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q4_0,
+                                   quantize_q8_0, repack_x16, requantize_q4_0)
 from specdec.models.dequant import dequantize_rows
 
 Q8_0 = int(GGMLQuantizationType.Q8_0)
 Q4_0 = int(GGMLQuantizationType.Q4_0)
 
 
-def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int, requantize: int | None = None) -> tuple[torch.Tensor, int]:
+def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int,
+                  requantize: int | None = None) -> tuple[torch.Tensor, int]:
     """(blocks, type) the kernels can run: the file's own when its type is supported and no other type is
     asked for, else the dequantized rows requantized to `requantize` (default Q8_0). With Q4_0, blocks of
     no more bits than Q4_0 (Q4_0, Q4_K: 4.5 a weight) stay as they are: a smaller model, never a larger one.

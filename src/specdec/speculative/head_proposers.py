@@ -20,7 +20,8 @@ from specdec.speculative.proposers import Draft, Proposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 
 
-def pick_children(seq, head, logits: torch.Tensor, vocab: int, n: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+def pick_children(seq, head, logits: torch.Tensor, vocab: int,
+                  n: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
     """n child tokens from the head's logits [vocab_size] over its reduced vocabulary: the top n (greedy) or n
     independent seeded draws (sampling). Returns the tokens (the target's ids), the log-probabilities the
     head gives them, and when sampling the processed draft distribution [vocab] they were drawn from (over
