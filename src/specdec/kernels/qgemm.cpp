@@ -2367,18 +2367,11 @@ at::Tensor requantize_q4_0(at::Tensor w, int64_t type) {
     for (int64_t k = b0; k < b1; ++k) {
       const uint8_t* b = src + k * in;
       const float d = fp16(b);
+      const VI weights = type == kQ8_0 ? q32_weights<kQ8_0>(b) : q32_weights<kQ5_0>(b);
+      int8_t q[32];
+      std::memcpy(q, &weights, 32);
       float v[32];
-      for (int j = 0; j < 32; ++j) {
-        int q;
-        if (type == kQ8_0) {
-          q = static_cast<int8_t>(b[2 + j]);
-        } else {
-          uint32_t high;
-          std::memcpy(&high, b + 2, 4);
-          q = (((b[6 + j % 16] >> (j < 16 ? 0 : 4)) & 0xF) | (((high >> j) & 1) << 4)) - 16;
-        }
-        v[j] = d * static_cast<float>(q);
-      }
+      for (int j = 0; j < 32; ++j) v[j] = d * static_cast<float>(q[j]);
       float amax = 0.f, m = 0.f;
       for (int j = 0; j < 32; ++j)
         if (amax < std::fabs(v[j])) { amax = std::fabs(v[j]); m = v[j]; }

@@ -14,12 +14,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from specdec.kernels.qgemm import (Q4_K, Q5_0, SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q4_0,
+from specdec.kernels.qgemm import (Q4_0, Q4_K, Q5_0, SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q4_0,
                                    quantize_q8_0, repack_x16, requantize_q4_0)
 from specdec.models.dequant import dequantize_rows
 
 Q8_0 = int(GGMLQuantizationType.Q8_0)
-Q4_0 = int(GGMLQuantizationType.Q4_0)
 
 
 def kernel_blocks(blocks: torch.Tensor, qtype: int, row_len: int,
