@@ -38,6 +38,7 @@ from specdec.outputs import RequestOutput
 from specdec.server.app import build_app
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specdec.server.cli import add_serve_arguments
+from specdec.server.limits import uvicorn_config
 
 EOS = 256
 MODEL = "fake-model"
@@ -174,13 +175,16 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine: FakeEngine, max_waiting_requests: int | None = None, **app_kwargs):
+    """`serve`'s uvicorn (`uvicorn_config`: its deadlines, `server_options` overriding them) in a thread."""
+
+    def __init__(self, engine: FakeEngine, max_waiting_requests: int | None = None,
+                 server_options: dict | None = None, **app_kwargs):
         self.engine = engine
         self.async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
         self.app = build_app(self.async_engine, MODEL, **app_kwargs)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn_config(self.app, "127.0.0.1", self.port, log_level="warning", **(server_options or {}))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

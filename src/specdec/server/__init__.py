@@ -4,11 +4,15 @@
     tool_calls.py     tool calls in the model's text: parsed whole, or while it streams
     async_engine.py   the engine's worker thread and its asyncio bridge (abort on disconnect)
     app.py            the FastAPI app: routes, SSE streaming, auth, body limit
+    limits.py         deadlines for reading a request (head, body) and the limit on requests in flight
     metrics.py        Prometheus metrics with vLLM's names under `specdec:`
     cli.py            `add_serve_arguments` / `run_serve`: the command line
 """
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens (vLLM: the rest of the context; bounded here)
+DEFAULT_TIMEOUT_HEADERS = 10.0  # seconds for a request's head (see limits.py)
+DEFAULT_TIMEOUT_BODY = 60.0  # seconds for its body after the head (4 MiB at 70 KB/s)
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # seconds an idle connection is kept between requests (uvicorn's default)
 
 __all__ = ["AsyncEngine", "build_app"]
 

@@ -32,8 +32,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specdec.config import SamplingParams
 from specdec.outputs import RequestOutput
 from specdec.sampling import fan_out, pick_best
-from specdec.server import DEFAULT_CHAT_MAX_TOKENS
+from specdec.server import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT_BODY
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from specdec.server.limits import BodyDeadline, InFlightLimit
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
     APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer,
@@ -58,6 +59,8 @@ def build_app(
     sampling_defaults: dict[str, Any] | None = None,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     special_tokens_in_messages: bool = False,
+    limit_concurrency: int | None = None,
+    timeout_body: float = DEFAULT_TIMEOUT_BODY,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
@@ -65,7 +68,9 @@ def build_app(
     (`--generation-config`) are the values of sampling parameters that requests leave out. A chat request
     without max_tokens generates `default_max_tokens` tokens at most (fewer where the context has less
     room; a `max_new_tokens` default comes first). Special-token text in chat messages is tokenized as
-    plain text unless `special_tokens_in_messages`."""
+    plain text unless `special_tokens_in_messages`. At most `limit_concurrency` requests are answered at once
+    (None: no limit; /health always is), and a body must arrive within `timeout_body` seconds of its head
+    (`specdec.server.limits`)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
@@ -138,6 +143,9 @@ def build_app(
 
     known_paths = {route.path for route in app.routes}
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyDeadline, timeout=timeout_body)
+    if limit_concurrency is not None:
+        app.add_middleware(InFlightLimit, limit=limit_concurrency)
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     app.add_middleware(_CountAnswers, metrics=metrics, known_paths=known_paths)

@@ -17,11 +17,13 @@ from types import FrameType
 from typing import Any
 
 from specdec.llm_args import add_llm_arguments, build_llm, positive_int
-from specdec.server import DEFAULT_CHAT_MAX_TOKENS
+from specdec.server import (
+    DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT_BODY, DEFAULT_TIMEOUT_HEADERS, DEFAULT_TIMEOUT_KEEP_ALIVE,
+)
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
-# bounded by default, for a CPU deployment: requests queued for a batch slot, and open connections (uvicorn's
-# limit_concurrency: past it uvicorn answers 503 itself)
+# bounded by default, for a CPU deployment: requests queued for a batch slot, and requests being answered
+# (open connections cost none: see specdec.server.limits)
 DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_LIMIT_CONCURRENCY = 64, 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds requests in flight get to finish after SIGTERM
 
@@ -38,8 +40,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              f"for a free batch slot (default {DEFAULT_MAX_WAITING_REQUESTS}); running requests are "
                              "never affected")
     parser.add_argument("--limit-concurrency", type=positive_int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
-                        help="open connections (and requests in progress) at most; past it the server answers "
-                             f"503 (default {DEFAULT_LIMIT_CONCURRENCY})")
+                        help="requests being answered at once, at most (a stream counts until its last event; idle "
+                             "connections do not count); past it the server answers 503, code server_overloaded, "
+                             f"with Retry-After; /health is always answered (default {DEFAULT_LIMIT_CONCURRENCY})")
+    parser.add_argument("--timeout-headers", type=_seconds, default=DEFAULT_TIMEOUT_HEADERS, metavar="S",
+                        help="close a connection whose request head has not fully arrived S seconds after the "
+                             "connection opened or the previous answer ended (default "
+                             f"{DEFAULT_TIMEOUT_HEADERS:g})")
+    parser.add_argument("--timeout-body", type=_seconds, default=DEFAULT_TIMEOUT_BODY, metavar="S",
+                        help="answer 408 and close the connection when a request's body has not fully arrived S "
+                             f"seconds after its head (default {DEFAULT_TIMEOUT_BODY:g})")
+    parser.add_argument("--timeout-keep-alive", type=_seconds, default=DEFAULT_TIMEOUT_KEEP_ALIVE, metavar="S",
+                        help="close an idle connection S seconds after its last answer (uvicorn's; default "
+                             f"{DEFAULT_TIMEOUT_KEEP_ALIVE:g})")
     parser.add_argument("--default-max-tokens", type=positive_int, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
                         help="completion tokens of a chat request that sets no max_tokens, at most (default "
                              f"{DEFAULT_CHAT_MAX_TOKENS}; fewer if the context has less room; text completions "
@@ -160,14 +173,16 @@ def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: d
 
     from specdec.server.app import build_app
     from specdec.server.async_engine import AsyncEngine
+    from specdec.server.limits import uvicorn_config
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
     app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])),
                     sampling_defaults=sampling_defaults, default_max_tokens=args.default_max_tokens,
-                    special_tokens_in_messages=args.special_tokens_in_messages)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_log_requests, timeout_graceful_shutdown=10,
-                            limit_concurrency=args.limit_concurrency)
+                    special_tokens_in_messages=args.special_tokens_in_messages,
+                    limit_concurrency=args.limit_concurrency, timeout_body=args.timeout_body)
+    config = uvicorn_config(app, args.host, args.port, timeout_headers=args.timeout_headers,
+                            timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)  # outside the main thread uvicorn leaves the signals alone
 
     def serve_http() -> None:
@@ -215,9 +230,11 @@ def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], a
     if defaults:
         print(f"  default sampling parameters ({args.generation_config}): "
               + ", ".join(f"{k}={v}" for k, v in defaults.items()))
-    print(f"  limits: {args.max_waiting_requests} requests waiting for a slot and {args.limit_concurrency} open "
-          f"connections (more are answered 503); chat completions without max_tokens: {args.default_max_tokens} "
-          f"tokens at most; SIGTERM gives requests in flight {args.shutdown_timeout:g} s to finish")
+    print(f"  limits: {args.max_waiting_requests} requests waiting for a slot and {args.limit_concurrency} being "
+          f"answered (more are answered 503); a request's head within {args.timeout_headers:g} s, its body within "
+          f"{args.timeout_body:g} s more; idle connections closed after {args.timeout_keep_alive:g} s; chat "
+          f"completions without max_tokens: {args.default_max_tokens} tokens at most; SIGTERM gives requests in "
+          f"flight {args.shutdown_timeout:g} s to finish")
     print(f"  OpenAI API at http://{_url_host(args.host)}:{args.port}/v1", flush=True)
 
 

@@ -1,0 +1,154 @@
+"""What bounds one client's hold on the server: deadlines for reading a request, and requests in flight.
+
+uvicorn alone left two holes (issue 36): a connection that sends nothing, or only part of its headers, is
+never closed (its keep-alive timer starts only after a first response), and `limit_concurrency` counts open
+connections, so that 256 idle sockets had every request, /health included, answered a plain-text 503. Here:
+
+- `DeadlineH11Protocol`: uvicorn's h11 protocol, closing a connection whose request head has not fully
+  arrived `timeout_headers` seconds after the server began waiting for it (the connection opened, or the
+  previous response ended). Idleness between requests stays uvicorn's `timeout_keep_alive`.
+- `BodyDeadline` (ASGI): a body that has not fully arrived `timeout_body` seconds after its head is answered
+  408 (an OpenAI error object) and its connection closed.
+- `InFlightLimit` (ASGI): at most N requests being answered at once, /health exempt; past it, 503 with an
+  OpenAI error object of code `server_overloaded` and a Retry-After. An open connection costs no slot.
+- `uvicorn_config(app, ...)`: uvicorn's Config serving `app` with the deadlines.
+
+Example: 300 sockets that never send a byte hold no slot and are closed after `timeout_headers`; meanwhile
+/health, and a chat request while fewer than N are in flight, are answered as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+import uvicorn
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from specdec.server import DEFAULT_TIMEOUT_BODY, DEFAULT_TIMEOUT_HEADERS, DEFAULT_TIMEOUT_KEEP_ALIVE
+from specdec.server.protocol import APIError
+
+OVERLOADED_RETRY_AFTER_S = 1
+EXEMPT_PATHS = frozenset({"/health"})  # answered however many requests are in flight
+
+
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head (`timeout_headers`, set by
+    `uvicorn_config`). It relies on H11Protocol's `conn`, `transport`, `loop` and `on_response_complete`,
+    stable since uvicorn 0.15."""
+
+    timeout_headers = DEFAULT_TIMEOUT_HEADERS
+    _headers_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_headers_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_headers_deadline()  # the next request's head: from now
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_headers_deadline()
+        super().connection_lost(exc)
+
+    def _arm_headers_deadline(self) -> None:
+        self._disarm_headers_deadline()
+        if not self.transport.is_closing():
+            self._headers_timer = self.loop.call_later(self.timeout_headers, self._headers_deadline_passed)
+
+    def _disarm_headers_deadline(self) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def _headers_deadline_passed(self) -> None:
+        self._headers_timer = None
+        # IDLE: no complete request head since the server began waiting (a head moves h11 to SEND_BODY)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.logger.info("closing a connection that sent no complete request head in %g s",
+                             self.timeout_headers)
+            self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
+
+
+def uvicorn_config(app: ASGIApp, host: str, port: int, *, timeout_headers: float = DEFAULT_TIMEOUT_HEADERS,
+                   timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE, **options) -> uvicorn.Config:
+    """uvicorn's Config for `app` on `host:port` with the head deadline and keep-alive; `options` are
+    uvicorn's (log_level, access_log, timeout_graceful_shutdown, ...). No `limit_concurrency`: the app's
+    `InFlightLimit` counts requests, not sockets."""
+    protocol = type("DeadlineH11Protocol", (DeadlineH11Protocol,), {"timeout_headers": timeout_headers})
+    return uvicorn.Config(app, host=host, port=port, http=protocol, timeout_keep_alive=timeout_keep_alive, **options)
+
+
+class _BodyTimedOut(Exception):
+    pass
+
+
+class BodyDeadline:
+    """408 for a request whose body has not fully arrived `timeout` seconds after its head; the connection is
+    closed (`Connection: close`), so that what the client sends after is not read as a new request."""
+
+    def __init__(self, app: ASGIApp, timeout: float):
+        self.app, self.timeout = app, timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        body_done, started = False, False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:  # later receives wait for a disconnect, for as long as the answer takes
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTimedOut() from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, tracked_send)
+        except _BodyTimedOut:
+            if started:
+                raise
+            error = APIError(408, f"The request body did not arrive within {self.timeout:g} seconds of its "
+                                  f"headers.", code="request_timeout", headers={"Connection": "close"})
+            await _respond(error, scope, receive, send)
+
+
+class InFlightLimit:
+    """503 (an OpenAI error object, code `server_overloaded`, with Retry-After) for a request that finds
+    `limit` requests already being answered; a request counts from its head to the end of its answer (a
+    stream's last event). Paths in `exempt` are always answered and count nothing."""
+
+    def __init__(self, app: ASGIApp, limit: int, exempt: frozenset[str] = EXEMPT_PATHS):
+        self.app, self.limit, self.exempt = app, limit, exempt
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.limit:
+            error = APIError(503, f"The server is answering {self.limit} requests, its limit; retry shortly.",
+                             code="server_overloaded", headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
+            return await _respond(error, scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+async def _respond(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    await JSONResponse(error.to_dict(), status_code=error.status, headers=error.headers)(scope, receive, send)
