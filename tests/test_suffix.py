@@ -93,7 +93,7 @@ def test_the_cpp_trie_equals_the_reference(lib, seed):
 
 # ------------------------------------------------------------------------------------------- the cache
 def test_the_cache_evicts_the_oldest_outputs():
-    cache = SuffixCache(max_depth=8, max_cached_requests=2)
+    cache = SuffixCache(max_depth=8, max_cached_requests=2, share_unsalted=True)
     for i, key in enumerate("abc"):
         cache.start(key, [90, 91])
         cache.extend(key, [10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4])
@@ -123,6 +123,25 @@ def test_salts_keep_outputs_apart():
         cache.stop(key)
 
 
+def test_unsalted_requests_share_nothing_unless_the_operator_says_so():
+    """Tenancy: without a salt a request drafts from its own prompt and output only (how fast a guess is
+    accepted would tell a client what another's output held); `share_unsalted` (a single-user server) shares."""
+    for share, expected in ((False, []), (True, [7, 8])):
+        cache = SuffixCache(max_depth=8, max_cached_requests=10, share_unsalted=share)
+        cache.start("a", [1])
+        cache.extend("a", [5, 6, 7, 8])
+        cache.stop("a")
+        cache.start("b", [2])
+        assert cache.speculate("b", [5, 6], 4).tokens == expected, share
+        assert len(cache.cached) == (2 if share else 0)  # unshared outputs are not even kept
+        salted = SuffixCache(max_depth=8, max_cached_requests=10, share_unsalted=share)
+        salted.start("a", [1], salt="s")
+        salted.extend("a", [5, 6, 7, 8])
+        salted.stop("a")
+        salted.start("b", [2])  # unsalted: never another salt's outputs, shared or not
+        assert salted.speculate("b", [5, 6], 4).tokens == []
+
+
 def test_config_keys_and_defaults_are_vllms():
     spec = build_speculative_config(None, None, '{"method": "suffix"}')
     assert (spec.num_speculative_tokens, spec.adaptive) == (24, True)  # K: the depth, a maximum
@@ -139,8 +158,10 @@ def test_config_keys_and_defaults_are_vllms():
 
 # ------------------------------------------------------------------------------------------- the engine
 def suffix_engine(k: int, adaptive: bool = False, tree: bool = False, batch: int = 1, cached: int = 100,
-                  depth: int = 24) -> Engine:
-    proposer = SuffixProposer(SuffixCache(depth, cached), tree=tree)
+                  depth: int = 24, share_unsalted: bool = True) -> Engine:
+    """(Unsalted requests share the global trie here, as on a single-user server, unless `share_unsalted` is
+    False: the default of a served model.)"""
+    proposer = SuffixProposer(SuffixCache(depth, cached, share_unsalted), tree=tree)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN,
                     max_batch_size=batch)
     if adaptive:
@@ -190,10 +211,12 @@ def test_the_global_trie_helps_a_second_request():
             assert second.metrics.target_passes <= len(second.token_ids) // 4
 
 
-def test_salt_isolation_in_the_engine():
-    """A request of another salt (or without one) drafts nothing from an earlier request's output."""
+@pytest.mark.parametrize("share_unsalted", [False, True], ids=["default", "shared"])
+def test_salt_isolation_in_the_engine(share_unsalted):
+    """A request of another salt (or without one) drafts nothing from an earlier request's output; by default
+    neither does an unsalted request from an unsalted one's (tenancy), unless unsalted requests share."""
     prompt = PROMPTS[0]
-    engine = suffix_engine(8)
+    engine = suffix_engine(8, share_unsalted=share_unsalted)
     outs = {}
     for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", None), ("d", "tenant-1")):
         engine.add_request(rid, list(prompt), GREEDY, cache_salt=salt)
@@ -203,6 +226,13 @@ def test_salt_isolation_in_the_engine():
         assert outs[rid].token_ids == list(plain("fp32", prompt))
     accepted = {rid: out.metrics.num_accepted_tokens for rid, out in outs.items()}
     assert accepted["a"] == accepted["b"] == accepted["c"] and accepted["d"] >= accepted["a"] + 10, accepted
+    engine.add_request("e", list(prompt), GREEDY)  # after "c", unsalted too
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs["e"] = out
+    assert outs["e"].token_ids == list(plain("fp32", prompt))
+    gain = outs["e"].metrics.num_accepted_tokens - accepted["c"]
+    assert (gain >= 10) == share_unsalted, (accepted, outs["e"].metrics.num_accepted_tokens)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

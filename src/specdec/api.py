@@ -23,7 +23,7 @@ import torch
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.cache import KVCache
 from specdec.engine import Engine
-from specdec.heads.modules import head_bytes, load_heads, resolve_heads
+from specdec.heads.modules import head_bytes, is_heads_folder, load_heads, resolve_heads, shipped_heads
 from specdec.memory import device_memory, plan_memory
 from specdec.models.llama import Transformer
 from specdec.models.loading import load_checkpoint, load_quantized, resolve_dtype
@@ -88,16 +88,21 @@ def build_speculative_config(
 ) -> SpeculativeConfig | None:
     """vLLM's flags -> one SpeculativeConfig (None: no speculation).
 
-    `--speculative-model D` alone drafts adaptively with up to 5 tokens; adding
-    `--num-speculative-tokens K` fixes K (as in vLLM); `{"adaptive": true}` in the config makes K a maximum.
-    `{"method": "suffix"}` drafts adaptively with up to `suffix_decoding_max_tree_depth` tokens (24).
+    No flags: auto speculation (`{"method": "auto"}`: suffix drafts, and the heads shipped for the target
+    where there are some); `--num-speculative-tokens 0` alone: none. `--speculative-model D` alone drafts
+    adaptively with up to 5 tokens, beside suffix drafts; adding `--num-speculative-tokens K` fixes K (as in
+    vLLM); `{"adaptive": true}` in the config makes K a maximum. `{"method": "suffix"}` drafts adaptively with
+    up to `suffix_decoding_max_tree_depth` tokens (24).
     """
     if isinstance(speculative_config, str):
         speculative_config = parse_speculative_config(speculative_config)
     if speculative_config is None and speculative_model is None:
+        if num_speculative_tokens == 0:
+            return None
         if num_speculative_tokens:
-            raise ValueError("--num-speculative-tokens needs --speculative-model or --speculative-config")
-        return None
+            raise ValueError("--num-speculative-tokens needs --speculative-model or --speculative-config "
+                             "(0 alone: no speculation)")
+        speculative_config = {"method": "auto"}
     d = dict(speculative_config or {})
     if speculative_model is not None:
         d.setdefault("model", speculative_model)
@@ -137,8 +142,8 @@ class LLM:
         self.model_name = model
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.config.max_position_embeddings)
         self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
-        self.draft_model = self._load_draft(self.spec)
         self.heads = self._load_heads(self.spec)
+        self.draft_model = self._load_draft(self.spec)
         if self.draft_model is not None:
             self.draft_quantization = resolve_quantization(self.spec.draft_quantization, self.device)
         draft_weights, draft_kv_per_token = 0, 0
@@ -147,7 +152,7 @@ class LLM:
             draft_kv_per_token = KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype)
         elif self.heads is not None:
             draft_weights = head_bytes(self.heads)
-            if self.spec.method == "eagle":
+            if self.heads.config.method == "eagle":
                 draft_kv_per_token = KVCache.bytes_per_token(self.heads.config.layer_config(), self.dtype)
         self.memory_plan = plan_memory(
             budget=int(memory_utilization * device_memory(self.device)),
@@ -160,7 +165,7 @@ class LLM:
             draft_label="heads" if self.heads is not None else "draft",
             prefix_caching=enable_prefix_caching,
         )
-        if self.spec is not None and self.spec.method == "suffix":
+        if self.spec is not None and (self.spec.method == "suffix" or self.spec.with_suffix):
             self.memory_plan = dataclasses.replace(
                 self.memory_plan, suffix_cached_requests=self.spec.suffix_decoding_max_cached_requests)
         proposer = build_proposer(self.spec, vocab_size=self.target.config.vocab_size,
@@ -190,8 +195,8 @@ class LLM:
             self.target,
             self.tokenizer,
             proposer,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            adaptive=bool(spec and spec.adaptive),
+            num_speculative_tokens=spec.max_tokens if spec else 0,
+            adaptive=bool(spec and spec.adaptive and not spec.with_suffix),  # (auto speculation adapts itself)
             max_model_len=self.max_model_len,
             max_batch_size=max_num_seqs,
             prefill_chunk=prefill_chunk,
@@ -201,7 +206,9 @@ class LLM:
         )
 
     def _load_draft(self, spec: SpeculativeConfig | None) -> Transformer | None:
-        if spec is None or spec.method != "draft_model" or spec.num_speculative_tokens == 0:
+        if spec is None or spec.num_speculative_tokens == 0:
+            return None
+        if spec.method != "draft_model" and not (spec.method == "auto" and spec.model and not is_heads_folder(spec.model)):
             return None
         quantization = resolve_quantization(spec.draft_quantization, self.device)
         draft_dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
@@ -210,7 +217,16 @@ class LLM:
         return draft
 
     def _load_heads(self, spec: SpeculativeConfig | None):
-        if spec is None or spec.method not in ("medusa", "eagle") or spec.num_speculative_tokens == 0:
+        """The heads `spec` drafts with: its method's, or for "auto" those it names, else those shipped for the
+        target (None where there are none: auto speculation is then suffix drafts alone)."""
+        if spec is None or spec.num_speculative_tokens == 0:
+            return None
+        if spec.method == "auto":
+            if spec.model:
+                return load_heads(resolve_heads(spec.model), self.target) if is_heads_folder(spec.model) else None
+            folder = shipped_heads(self.target)
+            return None if folder is None else load_heads(folder, self.target)
+        if spec.method not in ("medusa", "eagle"):
             return None
         return load_heads(resolve_heads(spec.model), self.target, spec.method)
 
@@ -289,12 +305,18 @@ class LLM:
             }
             if self.draft_model is not None:
                 info["speculative"]["draft_quantization"] = self.draft_quantization
-            if self.spec.method == "suffix":
+            if self.spec.method == "auto" or self.spec.with_suffix:
+                second = self.heads.config.method if self.heads is not None else \
+                    ("draft_model" if self.draft_model is not None else None)
+                info["speculative"]["drafters"] = ["suffix"] + ([second] if second else [])
+            if self.spec.method == "suffix" or self.spec.with_suffix:
                 info["speculative"].update({k: getattr(self.spec, k) for k in (
                     "tree", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")})
+                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+                    "suffix_decoding_share_unsalted")})
                 info["speculative"]["suffix_cache_bytes"] = self.engine.proposer.memory_bytes
             if self.heads is not None:
+                info["speculative"]["heads"] = self.heads.config.method
                 info["speculative"]["tree"] = self.spec.tree
                 info["speculative"]["heads_training"] = self.heads.config.training
         return info

@@ -207,7 +207,7 @@ class SamplingParams:
         return bool(self.logit_bias or self.min_tokens or self.has_penalties)
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "medusa", "eagle")
+SPECULATIVE_METHODS = ("auto", "draft_model", "ngram", "suffix", "medusa", "eagle")
 
 
 @dataclass(frozen=True)
@@ -216,12 +216,20 @@ class SpeculativeConfig:
 
     `num_speculative_tokens` is K, the most tokens one step drafts. `adaptive` lets the controller pick
     K in [0, K] each step from measured acceptance and cost; with `adaptive=False` K is fixed.
+
+    `method="auto"` drafts, for each sequence and step, from the suffix tries or from a second drafter
+    (`model`: heads or a draft model; None: the heads shipped for the target, if any), whichever is expected
+    to give the most tokens per second, or not at all (`specdec.speculative.auto`). `suffix` adds the same
+    suffix drafts to a draft model, Medusa or EAGLE chain (default: on for a draft model, the seed's command;
+    off for heads, which are then the method alone); K is then the second drafter's, suffix drafts being as
+    long as suffix decoding's (`suffix_decoding_max_tree_depth` at most).
     """
 
     method: str = "draft_model"
-    model: str | None = None  # draft model (draft_model) or head folder (medusa/eagle)
+    model: str | None = None  # draft model (draft_model, auto) or head folder (medusa/eagle, auto)
     num_speculative_tokens: int = 5
     adaptive: bool = True
+    suffix: bool | None = None  # suffix drafts beside the drafter (None: the method's default, see above)
     # prompt lookup (ngram)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -246,6 +254,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # requests without a cache_salt draft from each other's outputs (the global trie): for single-user servers.
+    # Off by default: how fast drafts are accepted tells a client whether another's output held what it guessed
+    suffix_decoding_share_unsalted: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -254,9 +265,17 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.method in ("draft_model", "medusa", "eagle") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs a 'model'")
-        if self.method == "suffix":
+        if self.suffix is not None and not isinstance(self.suffix, bool):
+            raise ValueError(f"suffix must be true or false, got {self.suffix!r}")
+        if self.method in ("suffix", "auto") or self.with_suffix:
             self._check_suffix()
-        elif self.tree is not None and self.method not in ("medusa", "eagle"):
+        if self.method == "auto" and self.suffix is False:
+            raise ValueError('method "auto" drafts from the suffix tries: "suffix": false does not apply to it')
+        if self.with_suffix and self.method != "suffix" and self.tree is not None:
+            raise ValueError(f'suffix drafts beside {self.method} need chains: drop "tree", or set "suffix": false')
+        if self.method == "ngram" and self.suffix:
+            raise ValueError('"suffix" does not apply to method "ngram" (use method "suffix" or "auto")')
+        if self.tree is not None and self.method not in ("medusa", "eagle", "suffix"):
             raise ValueError(f"tree drafts need method medusa, eagle or suffix, not {self.method!r}")
         if self.tree is not None and self.tree not in ("default", "dynamic") and not (
             isinstance(self.tree, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in self.tree)
@@ -267,7 +286,27 @@ class SpeculativeConfig:
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.draft_quantization!r}")
 
+    @property
+    def with_suffix(self) -> bool:
+        """Whether suffix drafts run beside another drafter (`AutoProposer`): "auto", and a draft model or
+        heads chain with `suffix` (by default a draft model)."""
+        if self.method == "auto":
+            return True
+        if self.method in ("draft_model", "medusa", "eagle"):
+            return self.suffix if self.suffix is not None else self.method == "draft_model"
+        return False
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens one draft may hold: K, or with suffix drafts beside a drafter the larger of K and the
+        trie's depth (a suffix draft is as long as suffix decoding's)."""
+        if self.with_suffix and self.num_speculative_tokens > 0:
+            return max(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth)
+        return self.num_speculative_tokens
+
     def _check_suffix(self) -> None:
+        if self.method != "suffix" and self.tree is not None:
+            return  # (refused above)
         if self.tree not in (None, "dynamic"):
             raise ValueError('suffix decoding drafts chains, or trees with "tree": "dynamic" (the trie\'s own branches)')
         if self.suffix_decoding_max_tree_depth < 1:

@@ -124,6 +124,7 @@ class Engine:
         k = num_speculative_tokens if widest > 0 else 0
         self.controller = controller or SpeculationController(k, adaptive, disable_by_batch_size,
                                                               self.proposer.restart_tokens, self.proposer.guess_kinds)
+        self.proposer.bind(self.controller)
         self.cache = target.new_cache(max_batch_size, max_model_len + widest)
         self._draft_kv = self.proposer.cache is not None  # K/V of its own: rows and prefixes kept with the target's
         caches = [self.cache] + ([self.proposer.cache] if self._draft_kv else [])
@@ -266,7 +267,7 @@ class Engine:
             seq.matcher.advance(new_ids)
         if logprobs is not None:
             self._record_logprobs(seq, logprobs[rows[:len(new_ids)]], new_ids)
-        seq.metrics.record_step(draft.depth, verdict.num_accepted, len(new_ids))
+        seq.metrics.record_step(draft.depth, verdict.num_accepted, len(new_ids), draft.source)
         seq.metrics.draft_time += times[0]
         seq.metrics.target_time += times[1]
         return self._output(seq, new_ids)

@@ -18,7 +18,7 @@ from typing import Any
 from specdec.config import DTYPES, QUANTIZATIONS
 
 SPECULATION_DESTS = ("speculative_model", "num_speculative_tokens", "speculative_config",
-                     "speculative_disable_by_batch_size")
+                     "speculative_disable_by_batch_size", "shared_suffix_cache")
 
 
 def add_weight_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,6 +43,10 @@ def add_llm_arguments(parser: argparse.ArgumentParser, speculation: bool = True)
                           help="draft K tokens per step (fixed K; without it K adapts up to 5)")
         spec.add_argument("--speculative-config", default=None, metavar="JSON",
                           help='speculation as JSON, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        spec.add_argument("--shared-suffix-cache", action="store_true", default=None,
+                          help="requests without a cache_salt draft from each other's outputs (suffix decoding's "
+                               "global trie): for single-user servers. Off by default: how fast drafts are accepted "
+                               "would tell one client what another's output held")
         spec.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                           help="stop speculating while more than N sequences run")
     else:
@@ -80,11 +84,18 @@ def llm_kwargs(args: argparse.Namespace, model: str, draft: str | None) -> dict[
      "speculative_config": {"disable_by_batch_size": 4}, ...}."""
     check_vllm_flags(args)
     spec_config: dict[str, Any] | str | None = args.speculative_config
+    extra = {}
     if args.speculative_disable_by_batch_size is not None:
+        extra["disable_by_batch_size"] = args.speculative_disable_by_batch_size
+    if args.shared_suffix_cache:
+        extra["suffix_decoding_share_unsalted"] = True
+    if extra:
         from specdec.api import parse_speculative_config
 
         spec_config = parse_speculative_config(spec_config) or {}
-        spec_config["disable_by_batch_size"] = args.speculative_disable_by_batch_size
+        if not spec_config and draft is None and not args.num_speculative_tokens:
+            spec_config["method"] = "auto"  # (the default speculation, with these settings)
+        spec_config.update(extra)
     kwargs: dict[str, Any] = dict(
         model=model, speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens,
         speculative_config=spec_config, dtype=args.dtype, quantization=args.quantization,

@@ -11,6 +11,9 @@ tokens the target kept; `accepted_per_position[i]` counts drafts whose token at 
 
 Example: K=3, drafts [a b c] and the target accepts a, b and rejects c, emitting its own c'. One pass,
 3 drafted, 2 accepted, emitted 3 (a b c'), accepted_per_position = [1, 1, 0].
+
+Where several drafters take turns (auto speculation), `drafters` splits the draft counters by who drafted:
+{"suffix": [drafts, draft tokens, accepted tokens], "medusa": [...]}.
 """
 
 from __future__ import annotations
@@ -32,14 +35,21 @@ class SpecMetrics:
     draft_time: float = 0.0
     target_time: float = 0.0
     total_time: float = 0.0
+    drafters: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [drafts, draft tokens, accepted]
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
-        """Count one target pass that verified `num_drafted` tokens, kept `num_accepted` of them and
-        emitted `num_emitted` (accepted + recovered/bonus, after stop rules)."""
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, drafter: str | None = None) -> None:
+        """Count one target pass that verified `num_drafted` tokens (drafted by `drafter`, where several take
+        turns), kept `num_accepted` of them and emitted `num_emitted` (accepted + recovered/bonus, after stop
+        rules)."""
         self.target_passes += 1
         self.emitted_tokens += num_emitted
         if num_drafted == 0:
             return
+        if drafter is not None:
+            counts = self.drafters.setdefault(drafter, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += num_drafted
+            counts[2] += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
@@ -58,6 +68,10 @@ class SpecMetrics:
             self.accepted_per_position.extend([0] * (len(other.accepted_per_position) - len(self.accepted_per_position)))
         for i, n in enumerate(other.accepted_per_position):
             self.accepted_per_position[i] += n
+        for name, counts in other.drafters.items():
+            mine = self.drafters.setdefault(name, [0, 0, 0])
+            for i, n in enumerate(counts):
+                mine[i] += n
 
     @property
     def acceptance_rate(self) -> float:
@@ -98,6 +112,8 @@ class SpecMetrics:
             "target_time_s": round(self.target_time, 4),
             "total_time_s": round(self.total_time, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            **({"drafters": {name: {"num_drafts": d, "num_draft_tokens": t, "num_accepted_tokens": a}
+                             for name, (d, t, a) in sorted(self.drafters.items())}} if self.drafters else {}),
         }
 
 

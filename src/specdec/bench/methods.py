@@ -5,12 +5,18 @@
     suffix[:k=K][:adaptive][:tree][:local]
                                    suffix decoding (K: 24 unless given, a maximum); `tree`: the trie's branches;
                                    `local`: the request's own trie only (no global trie of past outputs)
-    draft:MODEL[:k=K][:adaptive][:vocab=N][:quant=Q]
+    draft:MODEL[:k=K][:adaptive][:vocab=N][:quant=Q][:suffix]
                                    a draft model (path or known name); `vocab=N`: it proposes only the
                                    first N token ids and the special tokens (`draft_vocab_size`);
-                                   `quant=Q`: its weight format (`draft_quantization`, e.g. q4_0)
+                                   `quant=Q`: its weight format (`draft_quantization`, e.g. q4_0);
+                                   `suffix`: suffix drafts beside it (what `--speculative-model` runs;
+                                   without it, the draft model alone)
     medusa[:HEADS][:k=K][:tree]    Medusa heads (default: those shipped for the target, TARGET-medusa)
     eagle[:HEADS][:k=K][:tree|:dynamic]
+    auto[:DRAFTER][:k=K][:adaptive][:local]
+                                   auto speculation: per sequence and step, suffix drafts or the second
+                                   drafter's (heads or a draft model; default: the heads shipped for the
+                                   target, none if there are none), whichever pays (what `serve` runs by default)
 
 K is the draft length (3 unless given), fixed unless `adaptive` (then K is the most the controller may
 draft); `tree` drafts the default tree of depth K, `dynamic` EAGLE-2's. Example:
@@ -30,7 +36,7 @@ from pathlib import Path
 from specdec.config import SpeculativeConfig
 
 DEFAULT_K = 3
-KINDS = ("plain", "ngram", "suffix", "draft", "medusa", "eagle")
+KINDS = ("plain", "ngram", "suffix", "draft", "medusa", "eagle", "auto")
 SUFFIX_K = 24  # suffix decoding: vLLM's default K, the depth of its tries
 
 
@@ -53,7 +59,9 @@ class Method:
             d["adaptive"] = True
         if s.tree is not None:
             d["tree"] = s.tree
-        if s.method == "suffix" and s.suffix_decoding_max_cached_requests == 0:
+        if s.suffix is not None:
+            d["suffix"] = s.suffix
+        if (s.method == "suffix" or s.with_suffix) and s.suffix_decoding_max_cached_requests == 0:
             d["suffix_decoding_max_cached_requests"] = 0
         if s.draft_vocab_size is not None:
             d["draft_vocab_size"] = s.draft_vocab_size
@@ -69,6 +77,7 @@ def parse_method(text: str, target: str) -> Method:
         raise ValueError(f"unknown method {text!r}; methods: " + ", ".join(KINDS))
     k, adaptive, tree, model, local = SUFFIX_K if kind == "suffix" else DEFAULT_K, False, None, None, False
     vocab = quant = None
+    with_suffix = kind == "auto"
     for part in parts:
         if part.startswith("k="):
             if not part[2:].isdigit() or int(part[2:]) < 1:
@@ -78,8 +87,10 @@ def parse_method(text: str, target: str) -> Method:
             adaptive = True
         elif part in ("tree", "dynamic"):
             tree = "default" if part == "tree" and kind != "suffix" else "dynamic"
-        elif part == "local" and kind == "suffix":
+        elif part == "local" and kind in ("suffix", "auto"):
             local = True
+        elif part == "suffix" and kind == "draft":
+            with_suffix = True
         elif part.startswith("vocab=") and kind == "draft":
             if not part[6:].isdigit() or int(part[6:]) < 1:
                 raise ValueError(f"{text!r}: vocab must be a whole number >= 1")
@@ -98,7 +109,7 @@ def parse_method(text: str, target: str) -> Method:
         raise ValueError(f"{text!r}: name the draft model, e.g. draft:qwen2.5-coder-0.5b-instruct")
     if kind in ("ngram", "suffix") and model is not None:
         raise ValueError(f"{text!r}: {kind} takes no model")
-    named = [model] if model is not None else []  # medusa and eagle: shown only when not the default heads
+    named = [model] if model is not None else []  # medusa, eagle, auto: shown only when not the default drafter
     if kind in ("medusa", "eagle") and model is None:
         model = f"{Path(target).name.removesuffix('.gguf')}-{kind}"
     extra = {"suffix_decoding_max_cached_requests": 0} if local else {}
@@ -106,12 +117,14 @@ def parse_method(text: str, target: str) -> Method:
         extra["draft_vocab_size"] = vocab
     if quant is not None:
         extra["draft_quantization"] = quant
+    if kind == "draft":  # (alone unless `suffix`: the bench compares drafters one by one)
+        extra["suffix"] = with_suffix
     spec = SpeculativeConfig(method="draft_model" if kind == "draft" else kind, model=model,
                              num_speculative_tokens=k, adaptive=adaptive, tree=tree, **extra)
     options = [f"k={k}"] + (["adaptive"] if adaptive else []) + \
         {None: [], "default": ["tree"], "dynamic": ["tree" if kind == "suffix" else "dynamic"]}[tree] + \
         (["local"] if local else []) + ([f"vocab={vocab}"] if vocab is not None else []) + \
-        ([f"quant={quant}"] if quant is not None else [])
+        ([f"quant={quant}"] if quant is not None else []) + (["suffix"] if with_suffix and kind == "draft" else [])
     return Method(":".join([kind, *named, *options]), spec)
 
 
@@ -132,7 +145,7 @@ def default_methods(target: str) -> str:
     from specdec.api import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.heads.modules import PRETRAINED
 
-    methods = ["plain", "ngram", "suffix"]
+    methods = ["plain", "ngram", "suffix", "auto"]
     if target == DEFAULT_TARGET:
         methods.append(f"draft:{DEFAULT_DRAFT}")
     methods += [kind for kind in ("medusa", "eagle") if (PRETRAINED / f"{target}-{kind}").is_dir()]

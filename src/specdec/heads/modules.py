@@ -274,6 +274,32 @@ def resolve_heads(name_or_path: str) -> Path:
     )
 
 
+def shipped_heads(target, methods: tuple[str, ...] = ("medusa", "eagle")) -> Path | None:
+    """The folder of heads shipped with specdec for `target` (its weights' fingerprint), of the first of
+    `methods` that has some (Medusa first: it measured better on this project's CPUs); None: none."""
+    if not PRETRAINED.is_dir():
+        return None
+    found = {}
+    fingerprint = None
+    for folder in sorted(PRETRAINED.iterdir()):
+        if not (folder / "config.json").is_file():
+            continue
+        config = read_heads_config(folder)
+        fingerprint = fingerprint or target_fingerprint(target)
+        if config.target_fingerprint == fingerprint and config.method in methods:
+            found.setdefault(config.method, folder)
+    return next((found[m] for m in methods if m in found), None)
+
+
+def is_heads_folder(name_or_path: str) -> bool:
+    """Whether `name_or_path` names heads (a folder with a heads config.json, or a shipped name)."""
+    try:
+        read_heads_config(resolve_heads(name_or_path))
+    except (FileNotFoundError, TypeError, ValueError):
+        return False
+    return True
+
+
 def load_heads(directory: str | Path, target, method: str | None = None) -> _Head:
     """Heads from `directory`, attached to `target` in its dtype. Refuses heads of another method or
     trained for another target."""

@@ -321,5 +321,6 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
         prompt_token_ids=list(out.prompt_token_ids),
         new_token_ids=list(out.new_token_ids),
         token_ids=list(out.token_ids),
-        metrics=dataclasses.replace(out.metrics, accepted_per_position=list(out.metrics.accepted_per_position)),
+        metrics=dataclasses.replace(out.metrics, accepted_per_position=list(out.metrics.accepted_per_position),
+                                    drafters={k: list(v) for k, v in out.metrics.drafters.items()}),
     )

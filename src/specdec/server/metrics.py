@@ -57,6 +57,13 @@ class ServerMetrics:
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted tokens per draft position.", ("position",))
+        # auto speculation: the same three counters by drafter (suffix, medusa, eagle, draft_model)
+        self.drafter_counters = (
+            counter("spec_decode_drafter_num_drafts", "Number of spec decoding drafts, by drafter.", ("drafter",)),
+            counter("spec_decode_drafter_num_draft_tokens", "Number of draft tokens, by drafter.", ("drafter",)),
+            counter("spec_decode_drafter_num_accepted_tokens", "Number of accepted tokens, by drafter.", ("drafter",)),
+        )
+        self._seen_drafters: dict[str, dict[str, list[int]]] = {}  # request id -> its drafter counters so far
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.prefix_cache_queries = counter("prefix_cache_queries",
@@ -95,8 +102,16 @@ class ServerMetrics:
                     if n > before:
                         self.accepted_per_pos.labels(name, str(pos)).inc(n - before)
                 self.generation_tokens.labels(name).inc(len(out.new_token_ids))
+                seen = self._seen_drafters.setdefault(out.request_id, {})
+                for drafter, counts in s.drafters.items():
+                    before = seen.get(drafter, [0, 0, 0])
+                    for counter_, n, b in zip(self.drafter_counters, counts, before):
+                        if n > b:
+                            counter_.labels(name, drafter).inc(n - b)
+                    seen[drafter] = list(counts)
                 if out.finished:
                     self._seen.pop(out.request_id, None)
+                    self._seen_drafters.pop(out.request_id, None)
                 else:
                     self._seen[out.request_id] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                                                   list(s.accepted_per_position))

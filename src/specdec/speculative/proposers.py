@@ -27,6 +27,7 @@ class Draft:
     probs: torch.Tensor | None = None  # [k, V] draft_probs (processed) token i was drawn from; None: point masses
     parents: list[int] | None = None  # tree drafts: parent of token i (-1: the last token); None: a chain
     kinds: list[int] | None = None  # chains: what kind of guess token i is (`Proposer.guess_kinds`); None: unlabelled
+    source: str | None = None  # which drafter made it, where several take turns (`AutoProposer`): "suffix", ...
 
     @property
     def depth(self) -> int:
@@ -66,6 +67,9 @@ class Proposer:
     def max_width(self, k: int) -> int:
         """The most tokens (tree nodes) one draft holds when asked for k: k for chains, 0 if it never drafts."""
         return k
+
+    def bind(self, controller) -> None:
+        """The `SpeculationController` that runs it (a proposer that chooses its own drafts reads its costs)."""
 
     def propose(self, seqs: Seq, ks: Seq[int]) -> Proposal:
         """Drafts for this step, timed as a whole: one forward per drafted token."""
@@ -329,7 +333,7 @@ class SuffixProposer(Proposer):
 
     Each sequence's trie is started at its first step (its prompt and what it has output) and brought up to
     date with its new tokens at each proposal; when it leaves, its whole output joins the global trie of its
-    `cache_salt` (the cache knows sequences by `request_id`; `seq.draft_state` marks those it started). A chain
+    `cache_salt` (the cache knows sequences by `request_id`; `_started` holds those it started). A chain
     draft is the most frequent continuation; a tree draft (`tree`) the continuations best-first by their
     empirical probability, K nodes at most. Drafts are point masses (`Draft.probs` None): they are not drawn
     from a distribution, so rejection sampling treats them as such, which is exact.
@@ -348,6 +352,7 @@ class SuffixProposer(Proposer):
         self.min_token_prob = min_token_prob
         self.tree = tree
         self.guess_kinds = 0 if tree else (len(self.SURENESS) + 1) * (len(self.CONTEXT) + 1)
+        self._started: dict[str, object] = {}  # request id -> the sequence the cache holds it for
 
     @classmethod
     def kinds_of(cls, probs: list[float], match_len: int) -> list[int]:
@@ -362,8 +367,8 @@ class SuffixProposer(Proposer):
 
     def _track(self, seq) -> None:
         """Start `seq` in the cache at its first step, then add its new tokens."""
-        if seq.draft_state is None:
-            seq.draft_state = "suffix"
+        if self._started.get(seq.request_id) is not seq:
+            self._started[seq.request_id] = seq
             self.suffix_cache.stop(seq.request_id)  # (a request id reused while the cache had it: a new request)
             self.suffix_cache.start(seq.request_id, seq.prompt_ids, seq.cache_salt)
         consumed = self.suffix_cache.consumed(seq.request_id)
@@ -384,13 +389,14 @@ class SuffixProposer(Proposer):
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         for seq in seqs:  # known from its first step, so that its output is kept even if it never drafts
-            if seq.draft_state is None:
+            if self._started.get(seq.request_id) is not seq:
                 self._track(seq)
 
     def release(self, seq) -> None:
-        if seq.draft_state is not None:
+        if self._started.get(seq.request_id) is seq:
             self._track(seq)  # its last tokens
             self.suffix_cache.stop(seq.request_id)
+            del self._started[seq.request_id]
 
     @property
     def memory_bytes(self) -> int:

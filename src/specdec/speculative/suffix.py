@@ -15,7 +15,10 @@ Example: one sequence [1 2 3 1 2 4 1 2 3], depth 8. Context [.. 1 2]: the match 
 
 `SuffixCache` keeps one trie per running request (its prompt and output) and global tries of past outputs,
 one per `cache_salt`, holding at most `max_cached_requests` outputs in all (the oldest evicted first); a
-request drafts from its own trie and from its salt's global trie, whichever scores higher.
+request drafts from its own trie and from its salt's global trie, whichever scores higher. Requests without
+a salt share nothing unless `share_unsalted` says so (a single-user server): how fast a draft is accepted
+tells a client whether another's output held the text it guessed, so outputs cross only between requests
+that declare they belong together.
 
 The trie is C++ (`suffix_trie.cpp`, compiled on first use with the system's C++ compiler and loaded with
 ctypes: about a microsecond per appended token and per drafted token, `benchmarks/bench_suffix_trie.py`);
@@ -305,6 +308,8 @@ class SuffixCache:
     `max_cached_requests` outputs stay in the global tries at most, in all salts together; starting a request
     evicts the oldest beyond that (0: no global tries). A request's output enters its salt's global trie as it
     is generated, so requests running together draft from each other too (n > 1 samples of one prompt).
+    Unsalted requests (salt None) have no global trie unless `share_unsalted`: each drafts from its own prompt
+    and output only.
 
         cache = SuffixCache(max_depth=24, max_cached_requests=100)
         cache.start("a", prompt_ids)
@@ -313,9 +318,10 @@ class SuffixCache:
         cache.stop("a")                     # its output stays in the global trie of its salt
     """
 
-    def __init__(self, max_depth: int = 24, max_cached_requests: int = 10000) -> None:
+    def __init__(self, max_depth: int = 24, max_cached_requests: int = 10000, share_unsalted: bool = False) -> None:
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
+        self.share_unsalted = share_unsalted
         self.active: dict[object, _Active] = {}
         self.global_tries: dict[str | None, SuffixTrie | PySuffixTrie] = {}
         self.cached: OrderedDict[int, str | None] = OrderedDict()  # global id -> salt, oldest first
@@ -328,7 +334,7 @@ class SuffixCache:
         trie = new_trie(self.max_depth)
         trie.extend(0, prompt)
         global_id = None
-        if self.max_cached_requests > 0:
+        if self.max_cached_requests > 0 and (salt is not None or self.share_unsalted):
             global_id, self._next_id = self._next_id, self._next_id + 1
             self.cached[global_id] = salt
             self._per_salt[salt] += 1
@@ -369,7 +375,7 @@ class SuffixCache:
         state = self.active[key]
         args = (max_tokens, max_spec_factor, min_token_prob, tree)
         best = state.trie.speculate(context, *args)
-        trie = self.global_tries.get(state.salt)
+        trie = self.global_tries.get(state.salt) if state.salt is not None or self.share_unsalted else None
         if trie is not None:
             other = trie.speculate(context, *args)
             if other.score > best.score:

@@ -1,0 +1,228 @@
+"""Auto speculation: for each sequence and step, the drafter expected to give the most tokens per second.
+
+Suffix decoding costs nothing to ask and is right 5-10 tokens at a time where an answer copies text seen
+before (an agent's edits); the target's heads (Medusa, EAGLE) or a draft model are right 1.5-2 tokens a pass on
+new text; neither wins everywhere, and one request mixes both. `AutoProposer` asks the suffix tries at every
+step and, where it has one, the second drafter, and values each candidate draft by what it is expected to
+emit per second of the target pass it widens (and of drafting, for a draft model), from the acceptance rate
+measured for each kind of guess (`controller.KindRates`: the trie labels its tokens by how sure it is and how
+much context they continue, the heads by depth and how sure they are) and the measured pass costs
+(`controller.CostModel`):
+
+    value(draft cut to w tokens) = (1 + E(w)) / (t_pass(w + 1) + t_draft)     E(w) = sum_j<=w prod_l<=j rate(kind_l)
+
+plain decoding being 1 / t_pass(1). The best candidate wins, nothing when plain decoding does; the batch's drafts
+are then cut together to the width that pays (`ByKind.width`). A draft model's tokens are not labelled: its
+value comes from the sequence's measured acceptance rate under the geometric model (Leviathan et al.), with
+K fixed or the best K up to the configured one, and it is tried again now and then after it has lost
+(`probe_interval` steps, doubling while it keeps losing), so that text on which it starts to agree is noticed.
+
+Exactness is unchanged: each sequence's draft comes whole from one drafter, point masses from the trie and the
+drafter's distribution from a draft model or heads, and is verified as it would be alone.
+
+Example (the default target, an agent's edit): while the answer repeats the file, the trie's draft after 16
+matched tokens is 12 tokens whose kinds were accepted ~97% of the time: value 10.6 tokens for ~2.3 pass-times,
+against Medusa's 2 tokens at ~0.6 (1.9 for 1.2); after the renamed identifier the trie matches 1 token (rate
+~0.2) and Medusa's chain wins until the copy resumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from specdec.speculative.controller import AcceptanceEstimate, ByKind, CostModel, expected_tokens
+from specdec.speculative.proposers import Draft, Proposal, Proposer, SuffixProposer, _clock
+
+
+@dataclass
+class _Row:
+    """What `AutoProposer` knows of one sequence."""
+
+    seq: object  # the sequence it is for (request ids may be reused)
+    lean: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # its labelled tokens' lean (`KindRates`)
+    model: AcceptanceEstimate | None = None  # its draft-model acceptance (a draft model as second drafter)
+    idle: int = 0  # steps since the draft model last drafted for it
+    probe_every: int = 0  # steps between its probes of the draft model
+
+
+class AutoProposer(Proposer):
+    """The suffix tries beside an optional second drafter (heads or a draft model), chosen per sequence and
+    step by expected tokens per second (see the module's docstring). `k` is the second drafter's K (fixed, or
+    a maximum with `adaptive`); suffix drafts hold up to the engine's K (the trie's depth). The engine runs it
+    with a fixed K (`SpeculationController` asks nothing of it): the choice and the cut are made here, with the
+    controller's measured costs (`bind`)."""
+
+    def __init__(self, suffix: SuffixProposer, second: Proposer | None = None, k: int = 0, adaptive: bool = True,
+                 second_name: str | None = None, probe_interval: int = 16, max_probe_interval: int = 256) -> None:
+        if suffix.guess_kinds == 0:
+            raise ValueError("auto speculation needs the trie's chain drafts (not trees)")
+        self.suffix = suffix
+        self.second = second
+        self.k = k if second is not None else 0
+        self.adaptive = adaptive
+        self.second_name = second_name or ("none" if second is None else type(second).__name__)
+        self.labelled = second is not None and second.guess_kinds > 0  # heads: their tokens labelled too
+        self.offset = suffix.guess_kinds  # the second drafter's kinds follow the trie's
+        self.policy = ByKind(0, suffix.guess_kinds + (second.guess_kinds if self.labelled else 0))
+        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self._controller = None  # whose measured costs it reads (`bind`)
+        self._costs = CostModel()  # until then
+        self._rows: dict[str, _Row] = {}
+        if second is not None:  # what the engine asks of a drafter is the second one's: the trie needs nothing
+            self.needs_hidden = second.needs_hidden
+            self.reads_prompt = second.reads_prompt
+            self.restart_tokens = second.restart_tokens
+            self.cache = second.cache
+            self.kv_shift = second.kv_shift
+
+    @property
+    def drafts_with_model(self) -> bool:
+        """The second drafter is a draft model (unlabelled tokens, a cost per drafted token)."""
+        return self.second is not None and not self.labelled
+
+    def bind(self, controller) -> None:
+        self._controller = controller
+
+    @property
+    def costs(self) -> CostModel:
+        return self._costs if self._controller is None else self._controller.costs
+
+    def max_width(self, k: int) -> int:
+        return max(k, self.second.max_width(min(k, self.k)) if self.second is not None else 0)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.suffix.memory_bytes + (self.second.memory_bytes if self.second is not None else 0)
+
+    def _row(self, seq) -> _Row:
+        row = self._rows.get(seq.request_id)
+        if row is None or row.seq is not seq:
+            row = self._rows[seq.request_id] = _Row(seq, probe_every=self.probe_interval)
+            if self.drafts_with_model:
+                row.model = AcceptanceEstimate.with_prior(0.8)
+        return row
+
+    # ------------------------------------------------------------------------------------------- valuing
+    def _pass(self, rows: int) -> float | None:
+        return self.costs.pass_time(rows)
+
+    def _reach(self, kinds: list[int], lean: float) -> list[float]:
+        """E(w) for w = 1..len(kinds): the expected accepted tokens of the draft cut to w tokens."""
+        reach, total, out = 1.0, 0.0, []
+        for kind in kinds:
+            reach *= min(1.0, self.policy.rates.rate(kind) * lean)
+            total += reach
+            out.append(total)
+        return out
+
+    def _value(self, kinds: list[int], lean: float) -> float:
+        """The most tokens per second the labelled draft gives, cut where it pays best (0 cut: plain)."""
+        base = self._pass(1)
+        if base is None:  # nothing measured yet: the expected tokens alone
+            return 1.0 + (self._reach(kinds, lean)[-1] if kinds else 0.0)
+        best = 1.0 / base
+        for w, e in enumerate(self._reach(kinds, lean), start=1):
+            best = max(best, (1.0 + e) / self._pass(w + 1))
+        return best
+
+    def _model_choice(self, row: _Row, limit: int, batch: int) -> tuple[int, float]:
+        """(K, tokens per second) of the draft model for this sequence: K fixed (the configured one, within
+        `limit`), or the best up to it. Before its drafting is measured at this batch size its value is
+        infinite: it runs, and is measured."""
+        t_draft, base = self.costs.draft_time(batch), self._pass(1)
+        a = row.model.rate
+        ks = range(1, limit + 1) if self.adaptive else [limit]
+        if limit <= 0:
+            return 0, 0.0
+        if t_draft is None or base is None:
+            return max(ks), float("inf")
+        best_k, best = 0, 0.0
+        for k in ks:
+            value = expected_tokens(a, k) / (k * t_draft + self._pass(k + 1))
+            if value > best:
+                best_k, best = k, value
+        return best_k, best
+
+    # ------------------------------------------------------------------------------------------- drafting
+    def propose(self, seqs, ks) -> Proposal:
+        if max(ks, default=0) == 0:
+            return Proposal([Draft([]) for _ in seqs])
+        rows = [self._row(seq) for seq in seqs]
+        drafts = [replace(d, source="suffix") for d in self.suffix.draft(seqs, ks)]
+        values = [self._value(d.kinds or [], row.lean.lean) for d, row in zip(drafts, rows)]
+        forward = None
+        if self.labelled:
+            t0 = _clock()
+            second = self.second.draft(seqs, [min(k, self.k) for k in ks])
+            forward = _clock() - t0
+            for b, (d, row) in enumerate(zip(second, rows)):
+                if not d.tokens:
+                    continue
+                d = replace(d, kinds=[self.offset + kind for kind in d.kinds], source=self.second_name)
+                value = self._value(d.kinds, row.lean.lean)
+                if value > values[b] or not drafts[b].tokens:
+                    drafts[b], values[b] = d, value
+        elif self.drafts_with_model:
+            drafts, forward = self._with_model(seqs, ks, rows, drafts, values)
+        if all(d.kinds is not None or not d.tokens for d in drafts):  # the batch's drafts cut where they pay
+            w = self.policy.width([d.kinds or [] for d in drafts], [row.lean.lean for row in rows], self.costs)
+            drafts = [d if len(d.tokens) <= w else replace(d, tokens=d.tokens[:w], kinds=d.kinds[:w],
+                                                           probs=None if d.probs is None else d.probs[:w])
+                      for d in drafts]
+        return Proposal(drafts, forward)
+
+    def _with_model(self, seqs, ks, rows: list[_Row], drafts: list[Draft], values: list[float]):
+        """The draft model drafts for the sequences where it is worth more than the trie's draft (and probes
+        where it has been idle long enough); one batched run for all of them."""
+        model_ks = []
+        for seq, k, row, d, value in zip(seqs, ks, rows, drafts, values):
+            k_model, model_value = self._model_choice(row, min(k, self.k), len(seqs))
+            probe = row.idle >= row.probe_every
+            use = k_model > 0 and (model_value > value or probe)
+            if use and probe and not model_value > value:
+                row.probe_every = min(2 * row.probe_every, self.max_probe_interval)
+                k_model = 1
+            elif use:
+                row.probe_every = self.probe_interval
+            model_ks.append(k_model if use else 0)
+            row.idle = 0 if use else row.idle + 1
+        if not any(model_ks):
+            return drafts, None
+        proposal = self.second.propose(seqs, model_ks)
+        for b, k in enumerate(model_ks):
+            if k:
+                drafts[b] = replace(proposal.drafts[b], source=self.second_name)
+        return drafts, proposal.forward_seconds
+
+    # ------------------------------------------------------------------------------------------- the rest
+    def prefill(self, seq, start: int, stop: int) -> int:
+        return self.second.prefill(seq, start, stop) if self.second is not None else 0
+
+    def observe_prefill(self, seq, hidden) -> None:
+        if self.second is not None:
+            self.second.observe_prefill(seq, hidden)
+
+    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
+        self.suffix.observe(seqs, drafts, verdicts)
+        if self.second is not None:
+            self.second.observe(seqs, drafts, verdicts, hidden)
+        self.policy.rates.step()
+        for seq, draft, verdict in zip(seqs, drafts, verdicts):
+            if not draft.tokens:
+                continue
+            row = self._row(seq)
+            if draft.kinds is not None:
+                self.policy.rates.learn(draft.kinds, verdict.num_accepted, row.lean)
+            elif row.model is not None:
+                row.model.update(len(draft.tokens), verdict.num_accepted, 0.9)
+
+    def release(self, seq) -> None:
+        self.suffix.release(seq)
+        if self.second is not None:
+            self.second.release(seq)
+        row = self._rows.get(seq.request_id)
+        if row is not None and row.seq is seq:
+            del self._rows[seq.request_id]
+
+    def cached_tokens(self, seq) -> int:
+        return self.second.cached_tokens(seq) if self.second is not None else 0

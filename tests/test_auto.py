@@ -1,0 +1,237 @@
+"""Auto speculation (`AutoProposer`) on tiny random models: greedy output equal to plain decoding's with the
+trie alone, beside a draft model (fixed and adaptive K) and beside Medusa heads, in batches joining and
+leaving, with chunked prefill and with prefix caching; the trie's draft taken where it is sure and the
+second drafter's where it knows nothing; no drafting where no draft can pay; seeded sampling reproducible
+and following the target's distribution; the default speculation of `LLM` and its flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fakes import FakeTokenizer, one_intra_op_thread
+from specdec.api import build_speculative_config
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.engine import Engine
+from specdec.heads.modules import load_heads
+from specdec.sampling import process_logits
+from specdec.speculative.auto import AutoProposer
+from specdec.speculative.controller import CostModel
+from specdec.speculative.head_proposers import MedusaProposer
+from specdec.speculative.proposers import DraftModelProposer, SuffixProposer
+from specdec.speculative.suffix import SuffixCache
+from test_engine_tiny import (BATCH_REQUESTS, GREEDY, MAX_LEN, PROMPTS, SpeculationPays, assert_metrics_consistent,
+                              draft, generate, plain, run, target)
+from test_sampling_distribution import assert_follows
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
+
+DEPTH = 24  # the trie's, and the engine's K: a suffix draft may be that long
+
+
+def auto_engine(second: str | None = None, k: int = 3, adaptive: bool = True, batch: int = 1, share: bool = False,
+                costs: CostModel | None = None, **engine_kw) -> Engine:
+    """The trie beside `second` ("noisy copy", "self", "other seed": a draft model; None: the trie alone)."""
+    suffix = SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share))
+    drafter = None
+    if second is not None:
+        window = MAX_LEN if second == "self" else 16
+        drafter = DraftModelProposer(draft("fp32", second), batch, MAX_LEN, window=window)
+    proposer = AutoProposer(suffix, drafter, k, adaptive, "draft_model" if drafter else None)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, DEPTH, max_model_len=MAX_LEN, max_batch_size=batch,
+                    **engine_kw)
+    engine.controller.costs = costs or SpeculationPays()  # choices that do not depend on this machine's speed
+    return engine
+
+
+SECONDS = [(None, 3, True), ("noisy copy", 4, False), ("noisy copy", 5, True), ("self", 3, False),
+           ("other seed", 2, True)]
+
+
+@pytest.mark.parametrize("second,k,adaptive", SECONDS)
+def test_greedy_auto_equals_plain(second, k, adaptive):
+    engine = auto_engine(second, k, adaptive, share=True)  # later prompts draft from earlier outputs too
+    accepted = 0
+    for prompt in PROMPTS + PROMPTS:
+        out = generate(engine, prompt, GREEDY)
+        assert tuple(out.token_ids) == plain("fp32", prompt)
+        assert_metrics_consistent(out)
+        accepted += out.metrics.num_accepted_tokens
+        counts = out.metrics.drafters
+        assert sum(c[0] for c in counts.values()) == out.metrics.num_drafts  # every draft has its drafter
+        assert set(counts) <= {"suffix", "draft_model"}
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("second,k,adaptive", SECONDS)
+def test_auto_in_a_batch_with_chunked_prefill_equals_plain(second, k, adaptive):
+    """Three rows, six requests joining at different steps and leaving as they finish, prompts fed 3 tokens a
+    step: every output is its own plain one."""
+    engine = auto_engine(second, k, adaptive, batch=3, prefill_chunk=3)
+    requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for rid, prompt, n, _ in BATCH_REQUESTS]
+    finals = run(engine, requests, join_at=[at for *_, at in BATCH_REQUESTS])
+    for rid, prompt, n, _ in BATCH_REQUESTS:
+        assert tuple(finals[rid].token_ids) == plain("fp32", prompt, 40)[:n], f"request {rid}"
+        assert_metrics_consistent(finals[rid])
+
+
+@pytest.mark.parametrize("second", [None, "noisy copy"])
+def test_auto_with_prefix_caching_equals_plain(second):
+    """A prompt sent again starts from its cached blocks (the target's, and the draft model's): the same output,
+    and the second time its prefix was not prefilled."""
+    prompt = tuple(range(3, 40))
+    engine = auto_engine(second, 4, True, prefix_cache_blocks=32, prefix_block_size=4)
+    first, second_out = generate(engine, prompt, GREEDY), generate(engine, prompt, GREEDY)
+    assert first.token_ids == second_out.token_ids == list(plain("fp32", prompt))
+    assert first.metrics.cached_tokens == 0 and second_out.metrics.cached_tokens >= 32
+
+
+def test_the_trie_is_taken_where_it_is_sure_and_the_draft_model_elsewhere():
+    """A draft model that always agrees ("self", K = 2) beside the trie: on a first answer the trie knows little
+    (what the answer has repeated of itself so far) and the draft model drafts where it knows nothing; the same
+    prompt again (the trie holds the first answer, sure of every token) is drafted by the trie, many tokens a
+    pass."""
+    engine = auto_engine("self", 2, False, share=True)
+    prompt = PROMPTS[2]  # no repeats: the trie has little to go on the first time
+    first, second = generate(engine, prompt, GREEDY), generate(engine, prompt, GREEDY)
+    assert first.token_ids == second.token_ids == list(plain("fp32", prompt))
+    used = {name: c[2] for name, c in first.metrics.drafters.items()}  # accepted tokens by drafter
+    assert used.get("draft_model", 0) >= 6 and used.get("suffix", 0) > 0, first.metrics.to_dict()
+    again = {name: c[2] for name, c in second.metrics.drafters.items()}
+    assert again.get("suffix", 0) >= 30 and again.get("suffix", 0) > again.get("draft_model", 0), again
+    assert second.metrics.target_passes <= 8, second.metrics.to_dict()
+
+
+class RowsCostFull(CostModel):
+    """Every row of a pass costs a whole pass, and a draft forward half of one: no draft can pay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draft, self.verify = {1: 0.5}, {1: 1.0, 64: 64.0}
+        self.prefill = {"target": 0.01, "draft": 0.005}
+
+    def record_draft(self, batch_size: int, seconds_per_forward: float) -> None:
+        pass
+
+    def record_verify(self, rows: int, seconds: float) -> None:
+        pass
+
+
+def test_nothing_is_drafted_where_no_draft_can_pay():
+    """With every extra row as dear as a pass, the plain step wins every value: the trie's drafts are cut to
+    nothing and the draft model only probes now and then (16 steps, then 32, ...): output exact."""
+    engine = auto_engine("noisy copy", 4, True, costs=RowsCostFull())
+    for prompt in PROMPTS:
+        out = generate(engine, prompt, GREEDY)
+        assert tuple(out.token_ids) == plain("fp32", prompt)
+        assert out.metrics.num_drafts <= 2, out.metrics.to_dict()
+        assert set(out.metrics.drafters) <= {"draft_model"}
+        assert all(c[1] == c[0] for c in out.metrics.drafters.values())  # probes draft one token
+
+
+@pytest.mark.parametrize("second", [None, "noisy copy"])
+def test_seeded_sampling_is_reproducible(second):
+    params = SamplingParams(temperature=0.8, top_k=30, max_tokens=30, ignore_eos=True, seed=7)
+    outs = []
+    for _ in range(2):
+        engine = auto_engine(second, 4, True, share=True)
+        outs.append([generate(engine, p, params).token_ids for p in PROMPTS + PROMPTS])
+    assert outs[0] == outs[1]
+
+
+def test_sampled_tokens_follow_the_target():
+    """Temperature 1, the trie beside a draft model that agrees half the time: the first two emitted tokens over
+    1200 seeds follow the target's distributions (test_sampling_distribution's tolerances)."""
+    model = target("fp32")
+    prompt = list(PROMPTS[1])  # 50 60 50 60 ...: the trie drafts 60, 50, ...
+
+    def target_probs(tokens):
+        cache = model.new_cache(1, 64)
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0, -1]
+        return process_logits(logits[None].float(), SamplingParams(temperature=1.0))[0]
+
+    engine = auto_engine("noisy copy", 3, True)
+    firsts, pairs, drafted = [], [], 0
+    for seed in range(1200):
+        out = generate(engine, prompt, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=seed))
+        firsts.append(out.token_ids[0])
+        pairs.append(tuple(out.token_ids))
+        drafted += out.metrics.num_draft_tokens
+    assert drafted > 600
+    assert_follows(torch.tensor(firsts), target_probs(prompt), "first token")
+    top = max(set(firsts), key=firsts.count)
+    seconds = [b for a, b in pairs if a == top]
+    assert len(seconds) > 150
+    assert_follows(torch.tensor(seconds), target_probs(prompt + [top]), "second token")
+
+
+# ------------------------------------------------------------------------------------------- with Medusa heads
+@pytest.fixture(scope="module")
+def medusa(tmp_path_factory):
+    from test_heads_engine import heads_dir, target as heads_target
+
+    return heads_target("fp32"), heads_dir("medusa", str(tmp_path_factory.mktemp("heads")))
+
+
+def medusa_engine(medusa, batch: int = 1, share: bool = True) -> Engine:
+    model, folder = medusa
+    heads = MedusaProposer(load_heads(folder, model, "medusa"), model.config.vocab_size, max_depth=3)
+    proposer = AutoProposer(SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share)), heads, 3, True, "medusa")
+    engine = Engine(model, FakeTokenizer(), proposer, DEPTH, max_model_len=256, max_batch_size=batch)
+    engine.controller.costs = SpeculationPays()
+    return engine
+
+
+def test_auto_beside_medusa_equals_plain_and_uses_both(medusa):
+    from test_heads_engine import plain as heads_plain
+
+    engine = medusa_engine(medusa, batch=2)
+    requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS + PROMPTS)]
+    finals = run(engine, requests, join_at=[0, 0, 3, 5, 9, 12])
+    used = {}
+    for rid, prompt, _ in requests:
+        assert finals[rid].token_ids == heads_plain("fp32", prompt), rid
+        for name, counts in finals[rid].metrics.drafters.items():
+            used[name] = used.get(name, 0) + counts[2]
+    assert used.get("medusa", 0) > 0 and used.get("suffix", 0) > 0, used
+
+
+# ------------------------------------------------------------------------------------------- the defaults
+def test_the_default_speculation_is_auto_and_flags_keep_their_meaning():
+    spec = build_speculative_config(None, None, None)  # no flags
+    assert (spec.method, spec.model, spec.with_suffix, spec.adaptive) == ("auto", None, True, True)
+    assert build_speculative_config(None, 0, None) is None  # --num-speculative-tokens 0: plain decoding
+    seed = build_speculative_config("d", 5, None)  # the seed's command: its draft model, K = 5, and the trie
+    assert (seed.method, seed.num_speculative_tokens, seed.adaptive, seed.with_suffix) == ("draft_model", 5, False, True)
+    assert seed.max_tokens == DEPTH
+    alone = build_speculative_config("d", 5, '{"suffix": false}')
+    assert not alone.with_suffix and alone.max_tokens == 5
+    medusa_ = build_speculative_config(None, None, '{"method": "medusa", "model": "h"}')
+    assert not medusa_.with_suffix  # heads named alone run alone
+    assert build_speculative_config(None, None, '{"method": "medusa", "model": "h", "suffix": true}').with_suffix
+    for bad, message in [({"method": "auto", "suffix": False}, "does not apply"),
+                         ({"method": "auto", "tree": "default"}, "need chains"),
+                         ({"method": "ngram", "suffix": True}, "does not apply"),
+                         ({"method": "draft_model", "model": "d", "suffix": "yes"}, "true or false")]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.from_dict(bad)
+
+
+def test_llm_defaults_to_auto_on_a_target_without_heads(tmp_path):
+    """`LLM(model)` with no speculation arguments runs auto speculation, here the trie alone (no heads are
+    shipped for this target), and says so; its greedy output is plain decoding's (`num_speculative_tokens=0`)."""
+    from specdec import LLM
+    from test_tokenizer import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    kw = dict(quantization="none", dtype="float32", max_model_len=128)
+    auto, plain_llm = LLM(str(path), **kw), LLM(str(path), num_speculative_tokens=0, **kw)
+    info = auto.describe()["speculative"]
+    assert (info["method"], info["drafters"], info["suffix_decoding_share_unsalted"]) == ("auto", ["suffix"], False)
+    assert isinstance(auto.engine.proposer, AutoProposer) and auto.engine.proposer.second is None
+    assert plain_llm.describe()["speculative"] is None
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for prompt in ("abab", "abcabcab"):
+        assert auto.generate([prompt], greedy)[0].token_ids == plain_llm.generate([prompt], greedy)[0].token_ids
