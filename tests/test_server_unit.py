@@ -545,10 +545,23 @@ def test_api_key():
         assert_error(c.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"}), 401)
         assert_error(c.get("/v1/models", headers={"Authorization": "sk-test"}), 401)
         assert_error(c.post("/v1/chat/completions", content=b"{bad", headers={"Authorization": "x"}), 401)
-        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        assert c.get("/health").status_code == 200
         good = {"Authorization": "Bearer sk-test"}
         assert c.post("/v1/chat/completions", json=chat_body(), headers=good).status_code == 200
         assert c.get("/v1/models", headers=good).status_code == 200
+        assert c.get("/metrics", headers=good).status_code == 200
+        # every route the app has, those added later included, and paths it does not have: 401 without the key
+        routes = [(method, route.path) for route in server.app.routes for method in getattr(route, "methods", ())
+                  if method != "HEAD"]
+        assert {"/tokenize", "/detokenize", "/metrics", "/version", "/openapi.json"} <= {p for _, p in routes}
+        for method, path in routes + [("GET", "/docs"), ("GET", "/nothing"), ("OPTIONS", "/v1/chat/completions")]:
+            if path != "/health":
+                assert_error(c.request(method, path, json={"prompt": "x" * 100}), 401)
+    with LiveServer(FakeEngine(), api_key="sk-test", public_metrics=True) as server, \
+            httpx.Client(base_url=server.url) as c:  # a scraper without the key reads /metrics, and only it
+        assert c.get("/metrics").status_code == 200 and c.get("/health").status_code == 200
+        assert_error(c.get("/version"), 401)
+        assert_error(c.post("/tokenize", json={"prompt": "x"}), 401)
 
 
 def test_body_size_limit():

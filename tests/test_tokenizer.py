@@ -166,6 +166,8 @@ def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path):
     "x" * 1300, "<|im_start|>" * 50, "in the " * 100,
     "\u1100\u1161\u11a8" * 100,  # Hangul jamo: NFC makes each three one syllable
     "\u03b1\u0313\u0301\u0345" * 50,  # alpha and three marks: NFC makes each four one character
+    "\u03b9\u0308\u0301" * 300,  # iota and two marks: NFC makes their 6 bytes U+0390's 2, the most it shrinks
+    "é" * 1000, "中文" * 700,
     "def f(x): # 😀 ünïcödé\n\t<tool_call>" * 20,
 ])
 def test_fewest_tokens_is_a_lower_bound(tiny, text):

@@ -61,10 +61,12 @@ def build_app(
     special_tokens_in_messages: bool = False,
     limit_concurrency: int | None = None,
     timeout_body: float = DEFAULT_TIMEOUT_BODY,
+    public_metrics: bool = False,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
-    `api_key` protects /v1/*; /health, /version and /metrics stay open, as in vLLM. `sampling_defaults`
+    `api_key` protects every route but /health (and /metrics with `public_metrics`, for a scraper without
+    the key): /tokenize, /metrics and /openapi.json tell of the model and of other users. `sampling_defaults`
     (`--generation-config`) are the values of sampling parameters that requests leave out. A chat request
     without max_tokens generates `default_max_tokens` tokens at most (fewer where the context has less
     room; a `max_new_tokens` default comes first). Special-token text in chat messages is tokenized as
@@ -147,7 +149,8 @@ def build_app(
     if limit_concurrency is not None:
         app.add_middleware(InFlightLimit, limit=limit_concurrency)
     if api_key:
-        app.add_middleware(_ApiKeyAuth, api_key=api_key)
+        app.add_middleware(_ApiKeyAuth, api_key=api_key,
+                           open_paths=frozenset({"/health", "/metrics"} if public_metrics else {"/health"}))
     app.add_middleware(_CountAnswers, metrics=metrics, known_paths=known_paths)
     app.add_middleware(_InternalErrors)
     return app
@@ -185,17 +188,31 @@ class _Server:
         return await self._answer(req, request, CompletionRenderer)
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
+        """The prompt's tokens, up to the context's length: a longer text is refused, at once where it
+        certainly is longer (`_refuse_if_too_long`), as the generation routes refuse it."""
         if req.model is not None and req.model not in self.names:
             self._check(req)
-        tokenizer = self.engine.tokenizer
+        tokenizer, context = self.engine.tokenizer, self.engine.max_model_len
         if req.messages is not None:
+            param = "messages"
             ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req.template_messages(), None,
-                                          req.add_generation_prompt, special_text=self.special_text)
+                                          req.add_generation_prompt, context=context, special_text=self.special_text,
+                                          completion_room=0)
         else:
+            param = "prompt"
+            _refuse_if_too_long(tokenizer, req.prompt, context, param, completion_room=0)
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if len(ids) > context:
+            raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
+                                f"has {len(ids)} tokens.", param=param, code="context_length_exceeded")
+        return {"count": len(ids), "max_model_len": context, "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
+        """The text of up to the context's length of tokens (no prompt or output of this server is longer)."""
+        context = self.engine.max_model_len
+        if len(req.tokens) > context:
+            raise APIError(400, f"This model's maximum context length is {context} tokens. However, you gave "
+                                f"{len(req.tokens)} tokens.", param="tokens", code="context_length_exceeded")
         ids = _completion_prompt_ids(self.engine.tokenizer, req.tokens, param="tokens") if req.tokens else []
         return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, ids)}
 
@@ -460,15 +477,16 @@ async def _disconnected(request: Request) -> None:
 
 def _chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                      add_generation_prompt: bool = True, context: int | None = None,
-                     special_text: bool = False) -> list[int]:
+                     special_text: bool = False, completion_room: int = 1) -> list[int]:
     """The conversation's prompt ids; special-token text in the messages stays plain text unless
-    `special_text` (see `Tokenizer.render_chat`)."""
+    `special_text` (see `Tokenizer.render_chat`). Refused at once if certainly longer than `context` less
+    `completion_room`."""
     try:
         parts = tokenizer.render_chat(messages, add_generation_prompt, special_text, tools=tools)
     except Exception as e:  # the template refused the conversation (raise_exception), or there is none
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                        code="invalid_value") from None
-    _refuse_if_too_long(tokenizer, "".join(text for text, _ in parts), context, "messages")
+    _refuse_if_too_long(tokenizer, "".join(text for text, _ in parts), context, "messages", completion_room)
     return tokenizer.encode_parts(parts)
 
 
@@ -485,14 +503,15 @@ def _completion_prompt_ids(tokenizer, prompt: str | list[int], param: str = "pro
     return list(prompt)
 
 
-def _refuse_if_too_long(tokenizer, text: str, context: int | None, param: str) -> None:
-    """Refuse, before tokenizing it, a `text` that certainly does not fit the `context`
-    (`Tokenizer.fewest_tokens`), as the context check after tokenizing would (a 3 MB prompt took 3.6 s to
-    tokenize)."""
-    if context is not None and (at_least := tokenizer.fewest_tokens(text)) >= context:
+def _refuse_if_too_long(tokenizer, text: str, context: int | None, param: str, completion_room: int = 1) -> None:
+    """Refuse, before tokenizing it, a `text` that certainly does not fit the `context` with
+    `completion_room` tokens to spare (`Tokenizer.fewest_tokens`), as the context check after tokenizing
+    would (a 3 MB prompt took 3.6 s to tokenize)."""
+    if context is not None and (at_least := tokenizer.fewest_tokens(text)) > context - completion_room:
+        room = ", leaving room for one completion token" if completion_room else ""
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} has "
-                            f"at least {at_least} tokens ({len(text)} characters): at most {context - 1} prompt "
-                            f"tokens fit, leaving room for one completion token.", param=param,
+                            f"at least {at_least} tokens ({len(text)} characters): at most "
+                            f"{context - completion_room} prompt tokens fit{room}.", param=param,
                        code="context_length_exceeded")
 
 
@@ -563,13 +582,14 @@ class _BodyLimit:
 
 
 class _ApiKeyAuth:
-    """401 unless `Authorization: Bearer <api_key>` on /v1/* (compared in constant time)."""
+    """401 unless `Authorization: Bearer <api_key>` (compared in constant time), on every path but
+    `open_paths`: a route added later is covered without naming it."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]):
+        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",

@@ -68,7 +68,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--dry-run", action="store_true", help="load, print the memory breakdown and exit")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every route but /health (401 without it)")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="with --api-key: serve /metrics without the key too, for a Prometheus scraper (it "
+                             "shows token counts moving with other users' requests)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients use (default: TARGET as given)")
     # vLLM's flags, with vLLM's meanings where they apply here
@@ -179,7 +183,8 @@ def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: d
     app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])),
                     sampling_defaults=sampling_defaults, default_max_tokens=args.default_max_tokens,
                     special_tokens_in_messages=args.special_tokens_in_messages,
-                    limit_concurrency=args.limit_concurrency, timeout_body=args.timeout_body)
+                    limit_concurrency=args.limit_concurrency, timeout_body=args.timeout_body,
+                    public_metrics=args.public_metrics)
     config = uvicorn_config(app, args.host, args.port, timeout_headers=args.timeout_headers,
                             timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)
@@ -226,7 +231,9 @@ def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], a
     else:
         print("  speculation: off")
     print("\n".join(f"  {line}" for line in memory_report.splitlines()))
-    print(f"  served model name: {', '.join(names)}" + ("; API key required" if args.api_key else ""))
+    key = "" if not args.api_key else "; API key required on every route but /health" + \
+        (" and /metrics" if args.public_metrics else "")
+    print(f"  served model name: {', '.join(names)}{key}")
     if defaults:
         print(f"  default sampling parameters ({args.generation_config}): "
               + ", ".join(f"{k}={v}" for k, v in defaults.items()))
