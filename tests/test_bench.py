@@ -36,6 +36,8 @@ def test_method_names_map_to_speculative_configs():
     auto = parse_method("auto:local", TARGET)
     assert (auto.name, auto.spec.method, auto.spec.model, auto.spec.suffix_decoding_max_cached_requests) == \
         ("auto:k=3:local", "auto", None, 0)
+    assert parse_method("suffix:shared", TARGET).spec.suffix_decoding_share_unsalted
+    assert not parse_method("suffix", TARGET).spec.suffix_decoding_share_unsalted
     assert m.name == "draft:qwen2.5-coder-0.5b-instruct:k=4"
     assert parse_method("ngram", TARGET).name == "ngram:k=3"  # the default K, spelled out
     eagle = parse_method("eagle:dynamic:k=2", TARGET)
@@ -52,7 +54,8 @@ def test_method_names_map_to_speculative_configs():
     # every method's --speculative-config builds the same config back
     for name in ("ngram:k=2", "draft:d:k=5:adaptive", "medusa:k=2:tree", "eagle:k=4:dynamic", "draft:d",
                  "suffix:k=8", "suffix:adaptive:tree", "suffix:local", "draft:d:k=4:vocab=32768",
-                 "draft:d:k=4:vocab=32768:quant=q4_0", "draft:d:suffix", "auto", "auto:heads:k=2:local"):
+                 "draft:d:k=4:vocab=32768:quant=q4_0", "draft:d:suffix", "auto", "auto:heads:k=2:local",
+                 "auto:shared", "suffix:shared", "draft:d:suffix:shared"):
         method = parse_method(name, TARGET)
         assert build_speculative_config(None, None, method.config_json) == method.spec
     assert parse_method("plain", TARGET) == Method("plain", None) and Method("plain", None).config_json is None

@@ -190,6 +190,22 @@ def test_a_cache_salt_shares_prefixes_only_with_the_same_salt():
     assert all(o.token_ids == outs[0].token_ids for o in outs)
 
 
+def test_isolation_by_salt_gives_unsalted_requests_no_cache_at_all():
+    """`prefix_isolation="salt"` (--prefix-caching-isolation salt): unsalted requests neither read nor feed the
+    cache (cached_tokens tells nothing of another's prompt), salted ones share with their salt as before."""
+    engine = make_engine("plain", blocks=64, prefix_isolation="salt")
+    p = params(False)
+    outs = []
+    for salt in [None, None, "tenant-1", "tenant-1", None]:
+        engine.add_request("r", list(A), p, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            outs += [out for out in engine.step() if out.finished]
+    assert [o.metrics.cached_tokens for o in outs] == [0, 0, 0, 32, 0]
+    assert all(o.token_ids == outs[0].token_ids for o in outs)
+    with pytest.raises(ValueError, match="prefix_isolation"):
+        make_engine("plain", blocks=64, prefix_isolation="per-key")
+
+
 def test_a_request_for_prompt_logprobs_prefills_its_whole_prompt():
     """Prompt logprobs need the logits of every prompt position: such a request takes nothing from the cache
     (vLLM does the same) and gets the prompt logprobs and output logprobs of an engine without one; the

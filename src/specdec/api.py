@@ -132,6 +132,7 @@ class LLM:
         memory_utilization: float = 0.9,
         prefill_chunk: int = 512,
         enable_prefix_caching: bool = True,
+        prefix_caching_isolation: str = "shared",
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.quantization = resolve_quantization(quantization, self.device)
@@ -172,7 +173,7 @@ class LLM:
                                   max_num_seqs=self.memory_plan.max_num_seqs, max_model_len=self.max_model_len,
                                   draft_model=self.draft_model, heads=self.heads, special_ids=self.tokenizer.special_ids)
         self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
-                                   self.memory_plan.prefix_cache_blocks)
+                                   self.memory_plan.prefix_cache_blocks, prefix_caching_isolation)
         self._ids = itertools.count()
 
     def engine_for(self, spec: SpeculativeConfig | None) -> Engine:
@@ -190,7 +191,7 @@ class LLM:
         return self._engine(spec, proposer, 1)
 
     def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
-                prefix_cache_blocks: int = 0) -> Engine:
+                prefix_cache_blocks: int = 0, prefix_isolation: str = "shared") -> Engine:
         return Engine(
             self.target,
             self.tokenizer,
@@ -203,6 +204,7 @@ class LLM:
             disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             prefix_cache_blocks=prefix_cache_blocks,
             prefix_block_size=self.memory_plan.prefix_block_size,
+            prefix_isolation=prefix_isolation,
         )
 
     def _load_draft(self, spec: SpeculativeConfig | None) -> Transformer | None:
@@ -292,6 +294,7 @@ class LLM:
             "quantization": self.quantization,
             "max_model_len": self.max_model_len,
             "prefix_caching": self.engine.prefix_cache is not None,
+            "prefix_caching_isolation": self.engine.prefix_isolation,
             "load_time_s": round(self.load_time, 2),
             "memory_bytes": self.memory_plan.as_dict(),
             "speculative": None,

@@ -105,11 +105,14 @@ class Engine:
         disable_by_batch_size: int | None = None,
         prefix_cache_blocks: int = 0,
         prefix_block_size: int = BLOCK_SIZE,
+        prefix_isolation: str = "shared",
         controller: SpeculationController | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         """`controller`: the speculation policy (default: from `num_speculative_tokens`, `adaptive` and
-        `disable_by_batch_size`); `clock`: what step parts are timed with (default: perf_counter, after a
+        `disable_by_batch_size`); `prefix_isolation`: "shared" (vLLM's: requests without a `cache_salt` share
+        cached prefixes with each other) or "salt" (only salted requests use the prefix cache, each salt its
+        own: how much of a prompt was cached tells nothing of another tenant's prompts); `clock`: what step parts are timed with (default: perf_counter, after a
         CUDA synchronize on a GPU)."""
         self.target = target
         self.vocab_size = target.config.vocab_size  # the width of its logits
@@ -136,6 +139,9 @@ class Engine:
         sync = target.device.type == "cuda"
         self._now = clock or ((lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if sync else time.perf_counter)
         self.prefix_cache = None
+        if prefix_isolation not in ("shared", "salt"):
+            raise ValueError(f'prefix_isolation must be "shared" or "salt", got {prefix_isolation!r}')
+        self.prefix_isolation = prefix_isolation
         if prefix_cache_blocks > 0:
             caches = {"target": self.cache, **({"draft": self.proposer.cache} if self._draft_kv else {})}
             self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size)
@@ -372,7 +378,7 @@ class Engine:
             seq = self.scheduler.joining()
             if seq is None:
                 return
-            if started and self.prefix_cache is not None and self._isolated(seq, self._restore_prefix, seq) is None:
+            if started and self._caches_prefix(seq) and self._isolated(seq, self._restore_prefix, seq) is None:
                 self._release(seq)
                 continue
             fed = self._isolated(seq, self._prefill_chunk, seq, budget)
@@ -383,7 +389,7 @@ class Engine:
             if self.cache.lengths[seq.row] < len(seq.prompt_ids) - 1:
                 return  # the budget is spent
             self.scheduler.join(seq)
-            if self.prefix_cache is not None:  # sequences joining later may share its prompt already
+            if self._caches_prefix(seq):  # sequences joining later may share its prompt already
                 self._save_prefix(seq)
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
@@ -434,6 +440,10 @@ class Engine:
         if reads and not seq.estimate.read_prompt:  # its acceptance is then that of drafts with their context
             seq.estimate = self.controller.new_estimate(read_prompt=True)
         return reads
+
+    def _caches_prefix(self, seq: Sequence) -> bool:
+        """Whether `seq` reads and feeds the prefix cache (with isolation "salt": only salted requests)."""
+        return self.prefix_cache is not None and (self.prefix_isolation == "shared" or seq.cache_salt is not None)
 
     def _restore_prefix(self, seq: Sequence) -> int:
         """Start `seq` from the longest cached prefix of its prompt but the last token, in whole blocks: the
@@ -488,7 +498,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """Take `seq` (running or being prefilled) out of the batch: its whole blocks saved to the prefix cache
         (unless it failed: its row may be half-written), its rows freed, its metrics added up."""
-        if self.prefix_cache is not None and seq.error is None:
+        if self._caches_prefix(seq) and seq.error is None:
             self._save_prefix(seq)
         self.scheduler.remove(seq)
         self.proposer.release(seq)

@@ -65,6 +65,11 @@ def add_llm_arguments(parser: argparse.ArgumentParser, speculation: bool = True)
                        help="keep the KV of finished requests' prefixes in what the memory budget leaves, so that a "
                             "request resending them (the next turn of a conversation) prefills only the rest "
                             "(default: on)")
+    model.add_argument("--prefix-caching-isolation", choices=("shared", "salt"), default="shared",
+                       help="shared (default, vLLM's): requests without a cache_salt share cached prefixes with each "
+                            "other; salt: only requests with a cache_salt use the prefix cache, each salt its own "
+                            "(for multi-tenant servers: cached_tokens and the time to first token then tell nothing "
+                            "of another tenant's prompts)")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                        help="devices per model: 1 (more are refused)")
     model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
@@ -100,6 +105,7 @@ def llm_kwargs(args: argparse.Namespace, model: str, draft: str | None) -> dict[
         model=model, speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens,
         speculative_config=spec_config, dtype=args.dtype, quantization=args.quantization,
         max_model_len=args.max_model_len, device=args.device, enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_isolation=args.prefix_caching_isolation,
     )
     if args.memory_utilization is not None:
         kwargs["memory_utilization"] = args.memory_utilization

@@ -2,9 +2,11 @@
 
     plain                          no speculation (always run: the baseline)
     ngram[:k=K]                    prompt lookup
-    suffix[:k=K][:adaptive][:tree][:local]
+    suffix[:k=K][:adaptive][:tree][:local][:shared]
                                    suffix decoding (K: 24 unless given, a maximum); `tree`: the trie's branches;
-                                   `local`: the request's own trie only (no global trie of past outputs)
+                                   `local`: the request's own trie only (no global trie of past outputs);
+                                   `shared`: the bench's requests (unsalted) share the global trie, as on a
+                                   server with --shared-suffix-cache (without it: a server's default)
     draft:MODEL[:k=K][:adaptive][:vocab=N][:quant=Q][:suffix]
                                    a draft model (path or known name); `vocab=N`: it proposes only the
                                    first N token ids and the special tokens (`draft_vocab_size`);
@@ -13,7 +15,7 @@
                                    without it, the draft model alone)
     medusa[:HEADS][:k=K][:tree]    Medusa heads (default: those shipped for the target, TARGET-medusa)
     eagle[:HEADS][:k=K][:tree|:dynamic]
-    auto[:DRAFTER][:k=K][:adaptive][:local]
+    auto[:DRAFTER][:k=K][:adaptive][:local][:shared]
                                    auto speculation: per sequence and step, suffix drafts or the second
                                    drafter's (heads or a draft model; default: the heads shipped for the
                                    target, none if there are none), whichever pays (what `serve` runs by default)
@@ -63,6 +65,8 @@ class Method:
             d["suffix"] = s.suffix
         if (s.method == "suffix" or s.with_suffix) and s.suffix_decoding_max_cached_requests == 0:
             d["suffix_decoding_max_cached_requests"] = 0
+        if s.suffix_decoding_share_unsalted:
+            d["suffix_decoding_share_unsalted"] = True
         if s.draft_vocab_size is not None:
             d["draft_vocab_size"] = s.draft_vocab_size
         if s.draft_quantization != "auto":
@@ -77,7 +81,7 @@ def parse_method(text: str, target: str) -> Method:
         raise ValueError(f"unknown method {text!r}; methods: " + ", ".join(KINDS))
     k, adaptive, tree, model, local = SUFFIX_K if kind == "suffix" else DEFAULT_K, False, None, None, False
     vocab = quant = None
-    with_suffix = kind == "auto"
+    with_suffix, shared = kind == "auto", False
     for part in parts:
         if part.startswith("k="):
             if not part[2:].isdigit() or int(part[2:]) < 1:
@@ -91,6 +95,8 @@ def parse_method(text: str, target: str) -> Method:
             local = True
         elif part == "suffix" and kind == "draft":
             with_suffix = True
+        elif part == "shared" and (kind in ("suffix", "auto") or with_suffix):
+            shared = True
         elif part.startswith("vocab=") and kind == "draft":
             if not part[6:].isdigit() or int(part[6:]) < 1:
                 raise ValueError(f"{text!r}: vocab must be a whole number >= 1")
@@ -100,7 +106,8 @@ def parse_method(text: str, target: str) -> Method:
         elif model is None and part:
             model = part
         else:
-            raise ValueError(f"{text!r}: unknown option {part!r} (k=K, adaptive, tree, dynamic, local, vocab=N, quant=Q)")
+            raise ValueError(f"{text!r}: unknown option {part!r} (k=K, adaptive, tree, dynamic, local, shared, "
+                             "vocab=N, quant=Q, suffix)")
     if kind == "plain":
         if parts:
             raise ValueError(f"{text!r}: plain takes no options")
@@ -117,6 +124,8 @@ def parse_method(text: str, target: str) -> Method:
         extra["draft_vocab_size"] = vocab
     if quant is not None:
         extra["draft_quantization"] = quant
+    if shared:
+        extra["suffix_decoding_share_unsalted"] = True
     if kind == "draft":  # (alone unless `suffix`: the bench compares drafters one by one)
         extra["suffix"] = with_suffix
     spec = SpeculativeConfig(method="draft_model" if kind == "draft" else kind, model=model,
@@ -124,7 +133,8 @@ def parse_method(text: str, target: str) -> Method:
     options = [f"k={k}"] + (["adaptive"] if adaptive else []) + \
         {None: [], "default": ["tree"], "dynamic": ["tree" if kind == "suffix" else "dynamic"]}[tree] + \
         (["local"] if local else []) + ([f"vocab={vocab}"] if vocab is not None else []) + \
-        ([f"quant={quant}"] if quant is not None else []) + (["suffix"] if with_suffix and kind == "draft" else [])
+        ([f"quant={quant}"] if quant is not None else []) + (["suffix"] if with_suffix and kind == "draft" else []) + \
+        (["shared"] if shared else [])
     return Method(":".join([kind, *named, *options]), spec)
 
 

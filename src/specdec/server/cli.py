@@ -1,6 +1,6 @@
 """`specdec serve`: flags named as vLLM's, so that switching is a change of program name.
 
-    specdec serve                                       # the default pair, pulled first if needed
+    specdec serve                                       # the default target, auto speculation, pulled first if needed
     specdec serve qwen2.5-coder-1.5b-instruct --speculative-model qwen2.5-coder-0.5b-instruct \\
         --num-speculative-tokens 5 --port 8000 --api-key sk-local
 """
@@ -134,12 +134,10 @@ def read_chat_template(value: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the models, print what was loaded, serve until SIGINT/SIGTERM. Returns the exit status."""
-    from specdec.api import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.api import DEFAULT_TARGET
 
     target = args.model or DEFAULT_TARGET
-    draft = args.speculative_model
-    if args.model is None and draft is None and args.speculative_config is None:
-        draft = DEFAULT_DRAFT  # the default pair
+    draft = args.speculative_model  # none given: auto speculation (the suffix tries and the target's heads)
     from specdec.memory import MemoryBudgetError
 
     try:
