@@ -555,8 +555,12 @@ def test_api_key():
                   if method != "HEAD"]
         assert {"/tokenize", "/detokenize", "/metrics", "/version", "/openapi.json"} <= {p for _, p in routes}
         for method, path in routes + [("GET", "/docs"), ("GET", "/nothing"), ("OPTIONS", "/v1/chat/completions")]:
-            if path != "/health":
-                assert_error(c.request(method, path, json={"prompt": "x" * 100}), 401)
+            if path != "/health":  # an OpenAI error object; Anthropic's own shape on its /v1/messages routes
+                r = c.request(method, path, json={"prompt": "x" * 100})
+                if path.startswith("/v1/messages"):
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+                else:
+                    assert_error(r, 401)
     with LiveServer(FakeEngine(), api_key="sk-test", public_metrics=True) as server, \
             httpx.Client(base_url=server.url) as c:  # a scraper without the key reads /metrics, and only it
         assert c.get("/metrics").status_code == 200 and c.get("/health").status_code == 200

@@ -69,12 +69,55 @@ def test_masks_allow_exactly_the_valid_next_bytes(tiny):
         "{" + " " * 32: {'"'},  # at most 32 whitespace characters in a row
         '{"': {"a"},  # the schema's properties come first, in order
         '{"a":': WS | DIGITS | {"-"},
-        '{"a": 12': WS | DIGITS | {",", "}"},
-        '{"a": 0': WS | {",", "}"},  # no leading zeros
+        '{"a": 12': WS | DIGITS | {"}"},  # strict: "a" is the only property
+        '{"a": 0': WS | {"}"},  # no leading zeros
         '{"a": 12}': eos,  # complete: EOS and nothing else
     }
     for prefix, texts in expected.items():
         assert allowed_texts(tiny, after(grammar, tiny, prefix).allowed_mask()) == texts, prefix
+    lenient = Grammar.json_schema(A, tiny, strict=False)  # JSON Schema's open default: more properties may follow
+    assert allowed_texts(tiny, after(lenient, tiny, '{"a": 12').allowed_mask()) == WS | DIGITS | {",", "}"}
+
+
+def test_schemas_are_strict_unless_they_or_the_request_say_otherwise(tiny):
+    """Unlisted properties are refused at every depth (as xgrammar in vLLM); `additionalProperties` in the
+    schema and `"strict": false` in the response format keep them allowed; a schema without `properties`
+    (any object) stays open."""
+    nested = {"type": "object", "properties": {"p": A, "q": {"type": "array", "items": A}}, "required": ["p"]}
+
+    def accepts(grammar: Grammar, text: str) -> bool:
+        try:
+            after(grammar, tiny, text)
+            return True
+        except ValueError:
+            return False
+
+    strict = Grammar.json_schema(nested, tiny)
+    assert accepts(strict, '{"p": {"a": 1}, "q": [{"a": 2}]}')
+    for extra in ('{"p": {"a": 1}, "x"', '{"p": {"a": 1, "b"', '{"p": {"a": 1}, "q": [{"a": 2, "b"'):
+        assert not accepts(strict, extra), extra
+        assert accepts(Grammar.json_schema(nested, tiny, strict=False), extra), extra
+    assert accepts(Grammar.json_schema({**A, "additionalProperties": True}, tiny), '{"a": 1, "b": 2}')
+    assert accepts(Grammar.json_schema({**A, "additionalProperties": {"type": "integer"}}, tiny), '{"a": 1, "b": 2')
+    assert accepts(Grammar.json_schema({"type": "object"}, tiny), '{"b": 2}')
+
+    def response_format(**spec) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "n", "schema": A, **spec}}
+
+    assert not accepts(Grammar.from_response_format(response_format(), tiny), '{"a": 1, "b"')
+    assert not accepts(Grammar.from_response_format(response_format(strict=True), tiny), '{"a": 1, "b"')
+    assert accepts(Grammar.from_response_format(response_format(strict=False), tiny), '{"a": 1, "b"')
+
+
+def test_closed_objects_leaves_all_of_members_open_and_the_input_unchanged():
+    from specdec.structured import closed_objects
+
+    schema = {"allOf": [A, {"properties": {"b": {"type": "object", "properties": {}}}}], "$defs": {"d": A}}
+    closed = closed_objects(schema)
+    assert "additionalProperties" not in closed["allOf"][0] and "additionalProperties" not in closed["allOf"][1]
+    assert closed["allOf"][1]["properties"]["b"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in A and "additionalProperties" not in schema["$defs"]["d"]
 
 
 def test_masks_and_advance_agree_on_every_token(tiny):
@@ -181,6 +224,8 @@ def test_response_formats_and_clear_errors(tiny):
         ({"$ref": "#/$defs/missing"}, "does not exist"),
         ({"type": "string", "format": "colour"}, "format"),
         ({**A, "required": ["z"], "additionalProperties": False}, "unsatisfiable"),
+        ({"$ref": "#"}, "admits no JSON value"),  # llguidance compiles it to the empty text (issue 36)
+        ({"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}}, "admits no JSON value"),
     ]
     bad_formats += [({"type": "json_schema", "json_schema": {"name": "a", "schema": s}}, m) for s, m in bad_schemas]
     for response_format, message in bad_formats:

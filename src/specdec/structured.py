@@ -15,12 +15,18 @@ the grammar state after the accepted tokens plus drafted tokens 0..i-1 (`masks_a
 
 When the grammar is complete the mask allows the tokenizer's EOS ids and nothing else can follow;
 while it is incomplete EOS is forbidden. Special tokens other than EOS are never allowed.
+
+JSON schemas are strict by default, as xgrammar's in vLLM and OpenAI's strict structured outputs: an object
+schema that lists `properties` and says nothing of `additionalProperties` allows no other property
+(`closed_objects`). `"additionalProperties": true` (or a schema) in the schema, or `"strict": false` in the
+`json_schema` of a response_format, keeps JSON Schema's own open default.
 """
 
 from __future__ import annotations
 
 import json
 from functools import lru_cache
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -67,17 +73,20 @@ class Grammar:
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
-            return Grammar.json_schema(schema, tokenizer, vocab_size)
+            return Grammar.json_schema(schema, tokenizer, vocab_size, strict=spec.get("strict") is not False)
         raise ValueError(f"response_format type {kind!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}")
 
     @staticmethod
-    def json_schema(schema: dict, tokenizer: Tokenizer, vocab_size: int | None = None) -> Grammar:
+    def json_schema(schema: dict, tokenizer: Tokenizer, vocab_size: int | None = None, strict: bool = True
+                    ) -> Grammar:
         """JSON text valid under `schema` (JSON Schema; properties come in the order `properties` lists
-        them). `vocab_size` is the model's logits width, the tokenizer's vocabulary size by default.
-        ValueError for a schema that is invalid, unsupported or unsatisfiable."""
+        them); `strict`: only the listed properties where the schema does not say otherwise
+        (`closed_objects`). `vocab_size` is the model's logits width, the tokenizer's vocabulary size by
+        default. ValueError for a schema that is invalid, unsupported or unsatisfiable."""
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema is an object, not {type(schema).__name__}")
-        return _compile(json.dumps(schema), tokenizer, vocab_size or tokenizer.vocab_size)
+        return _compile(json.dumps(closed_objects(schema) if strict else schema), tokenizer,
+                        vocab_size or tokenizer.vocab_size)
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self._initial.deep_copy(), self.vocab_size, self.eos_token_ids)
@@ -86,8 +95,8 @@ class Grammar:
 class GrammarMatcher:
     """One sequence's place in the grammar: the masks of allowed tokens, and the tokens emitted so far.
 
-    Example, schema `{"a": integer}` after '{"a": 12': `allowed_mask()` allows digits, whitespace, ','
-    and '}', and neither EOS nor letters; after `advance(ids of "}")` only the EOS ids are allowed and
+    Example, schema `{"a": integer}` after '{"a": 12': `allowed_mask()` allows digits, whitespace and
+    '}' (and ',' if the schema is not strict), and neither EOS nor letters; after `advance(ids of "}")` only the EOS ids are allowed and
     `is_terminated()` is True.
     """
 
@@ -143,13 +152,57 @@ class GrammarMatcher:
         return 1
 
 
+# keywords whose value is one subschema, a list of them, or a name -> subschema map
+_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_LIST = ("prefixItems", "anyOf", "oneOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any, close: bool = True) -> Any:
+    """A copy of `schema` in which every object schema listing `properties` without a word on
+    `additionalProperties` (or `unevaluatedProperties`) gets `"additionalProperties": false`, at any depth.
+    The members of an `allOf` are not closed themselves (each would refuse the others' properties), only
+    what they nest. Example:
+
+    >>> closed_objects({"type": "object", "properties": {"p": {"type": "object", "properties": {}}},
+    ...                 "additionalProperties": True})
+    {'type': 'object', 'properties': {'p': {'type': 'object', 'properties': {}, 'additionalProperties': False}},
+     'additionalProperties': True}
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), (dict, list)):
+            value = out[key]
+            out[key] = [closed_objects(s) for s in value] if isinstance(value, list) else closed_objects(value)
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, close=False) for s in out["allOf"]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if close and "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 @lru_cache(maxsize=128)
 def _compile(schema_json: str, tokenizer: Tokenizer, vocab_size: int) -> Grammar:
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults={"whitespace_pattern": WHITESPACE})
     initial = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
     if initial.is_error():
         raise ValueError(f"invalid JSON schema: {initial.get_error()}")
-    return Grammar(initial, vocab_size, frozenset(tokenizer.eos_token_ids))
+    grammar = Grammar(initial, vocab_size, frozenset(tokenizer.eos_token_ids))
+    probe = grammar.matcher()
+    probe.allowed_mask()  # the first mask: llguidance stops at once where only the empty text fits
+    if probe.is_terminated():  # e.g. {"$ref": "#"}, a schema that is only itself (issue 36: answered "")
+        raise ValueError('the JSON schema admits no JSON value (a schema that only refers to itself, as '
+                         '{"$ref": "#"}, describes nothing)')
+    return grammar
 
 
 @lru_cache(maxsize=4)

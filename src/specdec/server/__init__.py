@@ -2,6 +2,8 @@
 
     protocol.py       OpenAI request/response models (pydantic) and the error shape
     tool_calls.py     tool calls in the model's text: parsed whole, or while it streams
+    anthropic.py      Anthropic's Messages API (/v1/messages) translated to and from chat requests
+    responses.py      OpenAI's Responses API (/v1/responses) likewise, and the store of responses
     async_engine.py   the engine's worker thread and its asyncio bridge (abort on disconnect)
     app.py            the FastAPI app: routes, SSE streaming, auth, body limit
     limits.py         deadlines for reading a request (head, body) and the limit on requests in flight

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import json
 import logging
@@ -33,6 +34,7 @@ from specdec.config import SamplingParams
 from specdec.outputs import RequestOutput
 from specdec.sampling import fan_out, pick_best
 from specdec.server import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT_BODY
+from specdec.server import anthropic
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from specdec.server.limits import BodyDeadline, InFlightLimit
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -40,6 +42,7 @@ from specdec.server.protocol import (
     APIError, ChatCompletionRequest, ChatRenderer, CompletionRequest, CompletionRenderer,
     DetokenizeRequest, Renderer, TokenizeRequest, new_id, validation_error,
 )
+from specdec.server.responses import ResponseStore, ResponsesRequest, ResponseTranslator
 from specdec.structured import Grammar
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,8 @@ def build_app(
     limit_concurrency: int | None = None,
     timeout_body: float = DEFAULT_TIMEOUT_BODY,
     public_metrics: bool = False,
+    lenient_json_schemas: bool = False,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
@@ -72,12 +77,17 @@ def build_app(
     room; a `max_new_tokens` default comes first). Special-token text in chat messages is tokenized as
     plain text unless `special_tokens_in_messages`. At most `limit_concurrency` requests are answered at once
     (None: no limit; /health always is), and a body must arrive within `timeout_body` seconds of its head
-    (`specdec.server.limits`)."""
+    (`specdec.server.limits`). JSON schemas (response_format, required tool calls) allow only the properties
+    they list unless they say otherwise, or `lenient_json_schemas` (then unless they ask for `strict`).
+    /v1/messages (Anthropic's) and /v1/responses (OpenAI's) are translated into chat requests; stored
+    responses are kept in `response_store` (bounded, in memory)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
     server = _Server(engine_client, names, metrics, sampling_defaults or {}, default_max_tokens,
                      special_tokens_in_messages)
+    server.lenient_json_schemas = lenient_json_schemas
+    store = response_store if response_store is not None else ResponseStore()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,6 +117,28 @@ def build_app(
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
         return await _with_cancellation(request, server.completion(req))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        req = await _parse(request, anthropic.MessagesRequest)
+        return await _with_cancellation(request, server.translated(req.to_chat(),
+                                                                   anthropic.MessageTranslator(names[0])))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request) -> dict:
+        req = await _parse(request, anthropic.CountTokensRequest)
+        return {"input_tokens": await server.chat_prompt_length(req.to_chat(stream=False))}
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest)
+        history = store.get(req.previous_response_id)[1] if req.previous_response_id else []
+        translator = ResponseTranslator(req, names[0], history + req.input_messages(), store)
+        return await _with_cancellation(request, server.translated(req.to_chat(history), translator))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return store.get(response_id, param="response_id")[0]
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -153,6 +185,7 @@ def build_app(
                            open_paths=frozenset({"/health", "/metrics"} if public_metrics else {"/health"}))
     app.add_middleware(_CountAnswers, metrics=metrics, known_paths=known_paths)
     app.add_middleware(_InternalErrors)
+    app.add_middleware(anthropic.ErrorShape)
     return app
 
 
@@ -164,18 +197,48 @@ class _Server:
                  default_max_tokens: int, special_text: bool):
         self.engine, self.names, self.metrics, self.defaults = engine, names, metrics, defaults
         self.default_max_tokens, self.special_text = default_max_tokens, special_text
+        self.lenient_json_schemas = False
         self.started = time.time()
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
+        request, renderer = await self.start_chat(req)
+        return await self._answer(req, request, renderer)
+
+    async def translated(self, req: ChatCompletionRequest, translator) -> Response:
+        """A chat request answered in another API's shape (/v1/messages, /v1/responses): `translator` turns
+        the chat answer into its body (`response(chat body)`) or its stream into that API's SSE events
+        (`events(chat chunks, prompt length)`, the chunks ending with the usage chunk, an APIError raised
+        mid-stream). Its `max_tokens` is a ceiling: the answer may stop at the end of the context."""
+        request, renderer = await self.start_chat(req, fit_context=True)
+        if req.stream:
+            return _SSEResponse(translator.events(request.chunks(renderer), len(request.prompt_ids[0])),
+                                request.close)
+        with contextlib.closing(request):
+            return JSONResponse(translator.response(renderer.response(await request.run_to_end())))
+
+    async def chat_prompt_length(self, req: ChatCompletionRequest) -> int:
+        """The number of tokens of the chat request's prompt (/v1/messages/count_tokens)."""
+        req.tool_parser()  # refuses a tool_choice that names no declared tool
+        ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
+                                      req.template_tools(), special_text=self.special_text)
+        return len(ids)
+
+    async def start_chat(self, req: ChatCompletionRequest, fit_context: bool = False
+                         ) -> tuple["_Request", ChatRenderer]:
+        """The chat request submitted to the engine, and the renderer of its answer. `fit_context`: a
+        completion limit beyond the context's room is cut to that room instead of refused."""
         self._check(req)
         tool_parser = req.tool_parser()
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
                                              req.template_tools(), context=self.engine.max_model_len,
                                              special_text=self.special_text)
-        params = await self._params(req, req.output_limit(), [prompt_ids], "messages", logprobs=req.num_logprobs(),
+        limit = req.output_limit()
+        if fit_context and limit is not None:
+            limit = max(1, min(limit, self.engine.max_model_len - len(prompt_ids)))
+        params = await self._params(req, limit, [prompt_ids], "messages", logprobs=req.num_logprobs(),
                                     response_format=req.tool_call_format())
         request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages", req.cache_salt)
-        return await self._answer(req, request, ChatRenderer, tool_parser=tool_parser)
+        return request, self._renderer(req, request, ChatRenderer, tool_parser=tool_parser)
 
     async def completion(self, req: CompletionRequest) -> Response:
         self._check(req)
@@ -185,7 +248,7 @@ class _Server:
         params = await self._params(req, req.output_limit(), prompt_ids, "prompt", logprobs=req.logprobs,
                                     prompt_logprobs=echo_logprobs)
         request = await self._submit(new_id("cmpl"), prompt_ids, params, "prompt", req.cache_salt)
-        return await self._answer(req, request, CompletionRenderer)
+        return await self._answer(req, request, self._renderer(req, request, CompletionRenderer))
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
         """The prompt's tokens, up to the context's length: a longer text is refused, at once where it
@@ -216,14 +279,16 @@ class _Server:
         ids = _completion_prompt_ids(self.engine.tokenizer, req.tokens, param="tokens") if req.tokens else []
         return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, ids)}
 
-    async def _answer(self, req, request: "_Request", renderer_type: type[Renderer], **options) -> Response:
+    def _renderer(self, req, request: "_Request", renderer_type: type[Renderer], **options) -> Renderer:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tokenizer = self.engine.tokenizer
-        renderer = renderer_type(request.request_id, self.names[0], include_usage=include_usage,
-                                 return_token_ids=req.return_token_ids,
-                                 token_text=lambda t: tokenizer.decode([t]),
-                                 echo=[tokenizer.decode(ids) for ids in request.prompt_ids]
-                                 if getattr(req, "echo", False) else None, n=request.params.n, **options)
+        return renderer_type(request.request_id, self.names[0], include_usage=include_usage,
+                             return_token_ids=req.return_token_ids,
+                             token_text=lambda t: tokenizer.decode([t]),
+                             echo=[tokenizer.decode(ids) for ids in request.prompt_ids]
+                             if getattr(req, "echo", False) else None, n=request.params.n, **options)
+
+    async def _answer(self, req, request: "_Request", renderer: Renderer) -> Response:
         if req.stream:
             return _SSEResponse(request.events(renderer), request.close)
         with contextlib.closing(request):
@@ -261,6 +326,10 @@ class _Server:
         fields = req.sampling_fields(self.defaults)
         if response_format is not None:
             fields["response_format"] = response_format
+        if self.lenient_json_schemas and (fields["response_format"] or {}).get("type") == "json_schema":
+            spec = fields["response_format"]["json_schema"]
+            if isinstance(spec, dict) and "strict" not in spec:  # the server's default, unless the request says
+                fields["response_format"] = {**fields["response_format"], "json_schema": {**spec, "strict": False}}
         vocab = self.engine.vocab_size
         for name, ids in (("logit_bias", list(fields["logit_bias"])), ("stop_token_ids", fields["stop_token_ids"])):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -301,6 +370,7 @@ class _Server:
                     started = time.monotonic()
                     stream = await self.engine.add_request(sub_id, ids, seq_params, cache_salt)
                     request.trackers[i].append(_Tracker(stream, started, self.metrics))
+                    _REACHED_ENGINE.get([False])[0] = True  # its tracker counts it from now on
         except BaseException as e:
             request.close()
             if isinstance(e, ValueError):
@@ -335,8 +405,18 @@ class _Request:
         return choices
 
     async def events(self, renderer: Renderer) -> AsyncIterator[str]:
-        """SSE events of every choice as its sequence makes them (choices interleave), then usage if asked,
-        then `[DONE]`. An engine failure mid-stream becomes an error event (the status line is already sent)."""
+        """SSE events of `chunks`, then `[DONE]`. An engine failure mid-stream becomes an error event (the
+        status line is already sent)."""
+        try:
+            async for chunk in self.chunks(renderer):
+                yield _sse(chunk)
+        except APIError as e:
+            yield _sse(e.to_dict())
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, renderer: Renderer) -> AsyncIterator[dict]:
+        """The chunks of every choice as its sequence makes them (choices interleave), then usage if asked.
+        An engine failure raises APIError (503 if the engine stopped, else 500)."""
         indexed = [(i * self.params.n + j, t) for i, group in enumerate(self.trackers) for j, t in enumerate(group)]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -355,7 +435,7 @@ class _Request:
             for index, _ in indexed:
                 first = renderer.first_chunk(index)
                 if first is not None:
-                    yield _sse(first)
+                    yield first
             running = len(tasks)
             while running:
                 index, tracker, item = await queue.get()
@@ -363,26 +443,22 @@ class _Request:
                     running -= 1
                 elif isinstance(item, RuntimeError):
                     status = 503 if isinstance(item, EngineStoppedError) else 500
-                    yield _sse(APIError(status, str(item), code="engine_unavailable" if status == 503
-                                        else "engine_error").to_dict())
-                    break
+                    raise APIError(status, str(item), code="engine_unavailable" if status == 503 else "engine_error")
                 else:
                     text = item.new_text  # the engine holds back a tail that may begin a stop string
                     if item.finished or text or (renderer.return_token_ids and item.new_token_ids) or \
                             item.new_logprobs:
                         chunk = renderer.chunk(item, text, index)
                         if chunk is not None:  # None: the text is held back (a possible tool call)
-                            yield _sse(chunk)
+                            yield chunk
                     if item.finished:
                         finals.append((index, item))
-            else:
-                if renderer.include_usage:
-                    yield _sse(renderer.usage_chunk(finals))
+            if renderer.include_usage:
+                yield renderer.usage_chunk(finals)
         finally:
             for task in tasks:
                 task.cancel()
             self.close()
-        yield "data: [DONE]\n\n"
 
     def close(self) -> None:
         for tracker in self._all():
@@ -449,10 +525,21 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+# [reached]: set by `_with_cancellation` for the handler's task (which copies the context), made True by
+# `_submit` once the engine has taken the request: from then on its trackers count how it ends
+_REACHED_ENGINE: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("_REACHED_ENGINE")
+
+
 async def _with_cancellation(request: Request, handler) -> Response:
     """Run `handler` until it answers or the client disconnects (then cancel it: its request is aborted).
-    A streaming answer is returned at once; its own response object watches the connection after that."""
-    task = asyncio.ensure_future(handler)
+    A streaming answer is returned at once; its own response object watches the connection after that.
+    A client gone before the engine took its request is counted here as an aborted request (499)."""
+    started, reached = time.monotonic(), [False]
+    token = _REACHED_ENGINE.set(reached)
+    try:
+        task = asyncio.ensure_future(handler)
+    finally:
+        _REACHED_ENGINE.reset(token)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -461,6 +548,8 @@ async def _with_cancellation(request: Request, handler) -> Response:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
+        if not reached[0]:
+            request.app.state.server.metrics.request_finished("abort", 0, None, time.monotonic() - started)
         return Response(status_code=499)  # nobody reads it: the client is gone
     finally:
         task.cancel()
@@ -582,18 +671,20 @@ class _BodyLimit:
 
 
 class _ApiKeyAuth:
-    """401 unless `Authorization: Bearer <api_key>` (compared in constant time), on every path but
-    `open_paths`: a route added later is covered without naming it."""
+    """401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (Anthropic's header), compared
+    in constant time, on every path but `open_paths`: a route added later is covered without naming it."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]):
         self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), open_paths
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                                 code="invalid_api_key")
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not (bearer | hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)):
+                error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` (or "
+                                      "`x-api-key: <key>`).", code="invalid_api_key")
                 return await _error_response(error)(scope, receive, send)
         await self.app(scope, receive, send)
 

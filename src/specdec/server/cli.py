@@ -61,6 +61,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="tokenize special-token text inside chat messages (e.g. `<|im_start|>`) as the control "
                              "token it spells, as before; by default it is plain text, so that a user cannot open "
                              "turns of other roles")
+    parser.add_argument("--lenient-json-schemas", action="store_true",
+                        help="JSON schemas (response_format, required tool calls) allow properties they do not list "
+                             "unless they set additionalProperties or the request asks for strict (JSON Schema's own "
+                             "default, as before); by default only the listed properties are allowed, as vLLM's "
+                             "xgrammar does")
     parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
                         help="on SIGTERM, take no new requests (503; /health answers 503) and give those in flight "
                              f"S seconds to finish before cancelling them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); "
@@ -182,7 +187,7 @@ def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: d
                     sampling_defaults=sampling_defaults, default_max_tokens=args.default_max_tokens,
                     special_tokens_in_messages=args.special_tokens_in_messages,
                     limit_concurrency=args.limit_concurrency, timeout_body=args.timeout_body,
-                    public_metrics=args.public_metrics)
+                    public_metrics=args.public_metrics, lenient_json_schemas=args.lenient_json_schemas)
     config = uvicorn_config(app, args.host, args.port, timeout_headers=args.timeout_headers,
                             timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)

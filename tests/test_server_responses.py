@@ -1,0 +1,243 @@
+"""`/v1/responses` (OpenAI's Responses API) with the official `openai` SDK, over the fake engine of
+test_tool_calls that says what a test scripts and renders prompts with the recorded Qwen2.5 template.
+
+As for /v1/messages: the prompt a Responses request renders equals the prompt of the chat request it stands
+for, the answer comes back as output items (whole, and as the events the SDK's stream helper accumulates),
+`store` / `previous_response_id` continue a conversation, and bad requests are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from specdec.server.responses import ResponseStore
+from test_server_unit import MODEL, FakeEngine, LiveServer, assert_error, sse_events
+from test_tool_calls import PARIS, REAL, WEATHER, QwenTemplateBytes, SayEngine
+
+openai = pytest.importorskip("openai")
+
+TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
+CALL_TEXT = REAL["weather"]["text"]
+QUESTION = PARIS[0]["content"]
+
+
+@pytest.fixture(scope="module")
+def live():
+    with LiveServer(SayEngine()) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+def rendered(messages: list[dict], tools: list[dict] | None = None) -> str:
+    return QwenTemplateBytes().apply_chat_template(messages, tools=tools)
+
+
+def events(live, **body) -> list[dict]:
+    r = httpx.post(live.url + "/v1/responses", json={"model": MODEL, "stream": True, **body}, timeout=20)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    out = []
+    for block in r.text.strip("\n").split("\n\n"):
+        name, data = block.split("\n")
+        payload = json.loads(data[len("data: "):])
+        assert name == f"event: {payload['type']}"
+        out.append(payload)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+def test_text_answer_and_the_prompt_equals_the_chat_requests(client, live):
+    live.engine.say = "Sunny, 18 degrees."
+    r = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=50,
+                                temperature=0, store=False)
+    assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == "Sunny, 18 degrees." and [item.type for item in r.output] == ["message"]
+    assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
+    assert live.engine.prompts[-1] == rendered([{"role": "system", "content": "Be brief."}, *PARIS])
+    params = live.engine.params[-1]
+    assert (params.max_tokens, params.temperature) == (50, 0)
+    assert r.usage.input_tokens == len(live.engine.prompts[-1].encode())
+    assert r.usage.output_tokens == len(b"Sunny, 18 degrees.") + 1 and r.instructions == "Be brief."
+
+
+def test_input_items_as_the_chat_conversation(client, live):
+    """Messages (string or parts, developer as system), a function call and its output: the chat path's
+    conversation, rendered by the template as chat's would be."""
+    live.engine.say = "It is sunny."
+    question, called, answer = REAL["tool_result_text"]["messages"]
+    r = client.responses.create(model=MODEL, tools=[TOOL], store=False, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": question["content"]}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": answer["content"]},
+    ])
+    assert r.output_text == "It is sunny."
+    expected = [{"role": "system", "content": "Be brief."}, question, called, answer]
+    assert live.engine.prompts[-1] == rendered(expected, [WEATHER])
+
+
+def test_streamed_events_and_the_sdk_helper(client, live):
+    live.engine.say = "Héllo 😀, it is sunny."
+    with client.responses.stream(model=MODEL, input=QUESTION, store=False) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == live.engine.say == final.output_text and final.status == "completed"
+    kinds = [e["type"] for e in events(live, input=QUESTION, store=False)]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+
+
+def test_function_call_whole_and_streamed(client, live):
+    live.engine.say = CALL_TEXT
+    r = client.responses.create(model=MODEL, input=QUESTION, tools=[TOOL], store=False)
+    (call,) = r.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert live.engine.prompts[-1] == rendered(PARIS, [WEATHER])
+
+    live.engine.say = "Let me look. " + f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': {'city': 'Paris'}})}\n</tool_call>"
+    with client.responses.stream(model=MODEL, input=QUESTION, tools=[TOOL], store=False) as stream:
+        arguments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output_text == "Let me look. " and json.loads(arguments) == {"city": "Paris"}
+    assert json.loads(final.output[1].arguments) == {"city": "Paris"}
+    kinds = [e["type"] for e in events(live, input=QUESTION, tools=[TOOL], store=False)]
+    assert kinds[-6:] == ["response.output_item.done", "response.output_item.added",
+                          "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+
+
+def test_max_output_tokens_makes_an_incomplete_response(client, live):
+    live.engine.say = "one two three"
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, store=False)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.output_text == "one"
+    assert events(live, input=QUESTION, max_output_tokens=3, store=False)[-1]["type"] == "response.incomplete"
+
+
+def test_store_and_previous_response_id(client, live):
+    """A stored response continues with previous_response_id: its conversation (less its instructions) and
+    answer come before the new input; GET returns it; store: false keeps nothing."""
+    live.engine.say = CALL_TEXT
+    first = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", tools=[TOOL])
+    (call,) = first.output
+    assert client.responses.retrieve(first.id).output[0].call_id == call.call_id
+    live.engine.say = "It is sunny."
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[TOOL], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees Celsius and sunny"}])
+    assert second.output_text == "It is sunny." and second.previous_response_id == first.id
+    question, called, answer = REAL["tool_result_text"]["messages"]
+    called = {**called, "tool_calls": [{**called["tool_calls"][0], "id": call.call_id}]}
+    assert live.engine.prompts[-1] == rendered([question, called, {**answer, "tool_call_id": call.call_id}], [WEATHER])
+    with client.responses.stream(model=MODEL, previous_response_id=second.id, input="Thanks!") as stream:
+        third = stream.get_final_response()
+    assert live.engine.prompts[-1].endswith("It is sunny.<|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n"
+                                            "<|im_start|>assistant\n")
+    assert client.responses.retrieve(third.id).output_text == "It is sunny."
+
+    unstored = client.responses.create(model=MODEL, input="x", store=False)
+    for response_id in (unstored.id, "resp_nope"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model=MODEL, input="x", previous_response_id=response_id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+
+
+def test_the_store_is_bounded():
+    store = ResponseStore(max_responses=2, max_chars=10_000)
+    for i in range(3):
+        store.put({"id": f"resp_{i}"}, [{"role": "user", "content": "x"}])
+    with pytest.raises(Exception, match="not found"):
+        store.get("resp_0")
+    assert store.get("resp_2")[1] == [{"role": "user", "content": "x"}]
+    store.put({"id": "resp_big"}, [{"role": "user", "content": "x" * 6000}])
+    store.put({"id": "resp_big2"}, [{"role": "user", "content": "x" * 6000}])  # 12,000 characters: the first goes
+    with pytest.raises(Exception, match="not found"):
+        store.get("resp_big")
+    store.get("resp_big2")
+    store.put({"id": "resp_huge"}, [{"role": "user", "content": "x" * 20_000}])  # over the bound alone: not kept
+    with pytest.raises(Exception, match="not found"):
+        store.get("resp_huge")
+    store.get("resp_big2")
+
+
+def test_text_format_and_tool_choice_become_the_chat_paths(client, live, monkeypatch):
+    import specdec.server.app as app_module
+
+    compiled = []
+    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: compiled.append(rf))
+    live.engine.say = '{"city": "Paris"}'
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    r = client.responses.create(model=MODEL, input=QUESTION, store=False,
+                                text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+    assert json.loads(r.output_text) == {"city": "Paris"}
+    assert live.engine.params[-1].response_format == {"type": "json_schema",
+                                                      "json_schema": {"name": "place", "schema": schema}}
+    client.responses.create(model=MODEL, input=QUESTION, store=False, text={"format": {"type": "json_object"}})
+    assert live.engine.params[-1].response_format == {"type": "json_object"}
+    live.engine.say = CALL_TEXT
+    client.responses.create(model=MODEL, input=QUESTION, store=False, tools=[TOOL],
+                            tool_choice={"type": "function", "name": "get_weather"})
+    assert live.engine.params[-1].response_format["json_schema"]["schema"]["properties"]["name"] == \
+        {"const": "get_weather"}
+
+
+BAD = [
+    ({}, "input"),
+    ({"input": 3}, "input"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "model": "other-model"}, "model"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD)
+def test_bad_requests(live, body, param):
+    r = httpx.post(live.url + "/v1/responses", json=body)
+    error = assert_error(r, 404 if param == "model" else 400)
+    assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_errors_through_the_sdk_and_mid_stream():
+    with LiveServer(FakeEngine()) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+        r = httpx.post(server.url + "/v1/responses", json={"input": "BOOM", "stream": True}, timeout=20)
+        kinds = [json.loads(e)["type"] for e in (line.split("data: ", 1)[1] for line in r.text.strip().split("\n\n"))]
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == ["error", "response.failed"]
+        assert client.responses.create(model=MODEL, input="hi").status == "completed"  # and answers on
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_json_schemas_strict_by_default_lenient_by_server_option(monkeypatch, lenient):
+    """`--lenient-json-schemas` makes a schema without a word on strictness lenient; a request's own
+    `strict` wins either way (the grammar's side is in test_structured)."""
+    import specdec.server.app as app_module
+
+    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: None)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    with LiveServer(SayEngine(), lenient_json_schemas=lenient) as server:
+        for strict in (None, True, False):
+            spec = {"name": "n", "schema": schema, **({} if strict is None else {"strict": strict})}
+            r = httpx.post(server.url + "/v1/chat/completions", json={
+                "messages": PARIS, "response_format": {"type": "json_schema", "json_schema": spec}})
+            assert r.status_code == 200, r.text
+            sent = server.engine.params[-1].response_format["json_schema"]
+            expected = strict if strict is not None else (False if lenient else None)
+            assert sent.get("strict") == expected and sent["schema"] == schema
