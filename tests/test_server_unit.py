@@ -490,6 +490,10 @@ BAD_REQUESTS = [
     ("chat", chat_body(temperature=101), 400, "temperature"),
     ("chat", json.dumps(chat_body(logit_bias={"5": float("nan")})).encode(), 400, "logit_bias"),  # NaN
     ("chat", chat_body(logit_bias={"fifty": 10}), 400, "logit_bias"),
+    ("chat", chat_body(logit_bias={"5": 101}), 400, "logit_bias"),  # OpenAI's range: [-100, 100]
+    ("chat", chat_body(logit_bias={"5": -100.5}), 400, "logit_bias"),
+    ("chat", chat_body(logit_bias={"5": 1e308}), 400, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": -1e308}}, 400, "logit_bias"),
     ("chat", chat_body(logit_bias={"9999": 10}), 400, "logit_bias"),  # outside the vocabulary
     ("chat", chat_body(stop_token_ids=[300]), 400, "stop_token_ids"),
     ("chat", chat_body(stop_token_ids=[-1]), 400, "stop_token_ids"),
@@ -1049,3 +1053,33 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_requests_left_before_the_engine_took_them_count_as_aborted():
+    """Issue 36: streams closed by their client while the server still tokenized them were answered 499 in
+    the HTTP metrics but missing from request_success_total{finished_reason="abort"}. Here the chat template
+    takes 0.5 s and each client leaves after 0.1 s; then one client leaves mid-answer (counted once, by the
+    engine request's own ending); the aborts must equal the 499s."""
+    engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
+    render_chat = engine.tokenizer.render_chat
+
+    def slow_render_chat(*args, **kwargs):
+        time.sleep(0.5)
+        return render_chat(*args, **kwargs)
+
+    engine.tokenizer.render_chat = slow_render_chat
+    with LiveServer(engine) as server, httpx.Client(base_url=server.url, timeout=10) as c:
+        for stream in (True, False, True):
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/chat/completions", json=chat_body("leaving", stream=stream), timeout=0.1)
+        with c.stream("POST", "/v1/chat/completions", json=chat_body("leaving later", stream=True)) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        wait_until(lambda: not engine.has_unfinished_requests() and
+                   scrape(c).get(("specdec:request_success_total", (("finished_reason", "abort"),))) == 4)
+        samples = scrape(c)
+        gone = sum(v for (name, labels), v in samples.items()
+                   if name == "specdec:http_requests_total" and ("status", "499") in labels)
+        assert gone == 3, gone
+        assert samples[("specdec:num_requests_running", ())] == 0
+        assert len(engine.aborted_ids) == 1  # the one that reached the engine

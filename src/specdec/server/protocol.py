@@ -220,6 +220,10 @@ class _SamplingRequest(_Strict):
             bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value") from None
+        bad = next(((t, v) for t, v in bias.items() if not -100 <= v <= 100), None)  # NaN included
+        if bad is not None:  # as OpenAI: a bias is at most 100 either way (-100 bans a token, 100 forces it)
+            raise APIError(400, f"logit_bias of token {bad[0]} is {bad[1]}: a bias must be in [-100, 100]",
+                           param="logit_bias", code="invalid_value")
         rf = self.response_format
         return dict(
             temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0),
