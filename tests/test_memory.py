@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from specdec.memory import GiB, MemoryBudgetError, plan_memory
+from specdec.memory import GiB, MemoryBudgetError, default_budget, plan_memory
 from test_tokenizer import write_tiny_gguf
 
 
@@ -79,3 +80,38 @@ def test_unknown_speculative_config_keys_are_refused():
 
     with pytest.raises(ValueError, match="unknown speculative config key.*num_speculative_token"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_token": 4})
+
+
+def test_the_cpu_default_budget_gives_the_caches_4_gib():
+    """Issue 36: on CPU the default took 0.9 of RAM, 17.3 GiB of 23.5 for the prefix cache. Now the weights
+    plus CPU_CACHE_SPACE (4 GiB) for all K/V, or the running sequences' K/V if more; at most 0.9 of RAM."""
+    ram = int(23.5 * GiB)
+    budget, space = default_budget(torch.device("cpu"), ram)
+    assert (budget, space) == (int(0.9 * ram), 4 * GiB)
+    assert default_budget(torch.device("cuda"), ram) == (int(0.9 * ram), None)  # a GPU is the engine's alone
+    kv = (28 + 12) * 1024  # bytes a token, target + draft; a sequence of 4096 tokens: 160 MiB
+    plan = plan_memory(budget, GiB, GiB // 2, 28 * 1024, 12 * 1024, 4096, max_num_seqs=8, prefix_caching=True,
+                       cache_space=space)
+    assert plan.budget == GiB + GiB // 2 + 4 * GiB and plan.max_num_seqs == 8
+    assert plan.prefix_cache_blocks == (4 * GiB - 8 * 4096 * kv) // (16 * kv)  # 2.75 GiB
+    assert "CPU default" in plan.report().splitlines()[0]
+    many = plan_memory(budget, GiB, 0, 28 * 1024, 12 * 1024, 32768, max_num_seqs=8, prefix_caching=True,
+                       cache_space=space)  # 8 x 1.25 GiB of K/V: more than 4 GiB, all 8 still run
+    assert many.max_num_seqs == 8 and many.budget == GiB + 8 * 32768 * kv and many.prefix_cache_blocks == 0
+    small = plan_memory(4 * GiB, GiB, 0, 28 * 1024, 12 * 1024, 4096, max_num_seqs=8, cache_space=space)
+    assert small.budget == 4 * GiB and small.budget_note == ""  # 0.9 of a small machine stays the cap
+
+
+def test_llm_on_cpu_states_its_default_budget_and_honours_a_given_fraction(tiny_gguf, monkeypatch):
+    from specdec import LLM
+
+    ram = int(23.5 * GiB)
+    monkeypatch.setattr("specdec.api.device_memory", lambda device: ram)
+    default = LLM(str(tiny_gguf), quantization="none", dtype="float32", max_model_len=64, max_num_seqs=2,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    plan = default.memory_plan
+    assert plan.budget == plan.target_weights + plan.draft_weights + 4 * GiB
+    assert "the weights + 4.00 GiB for K/V caches, the CPU default" in plan.report()
+    given = LLM(str(tiny_gguf), quantization="none", dtype="float32", max_model_len=64, max_num_seqs=2,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2}, memory_utilization=0.95)
+    assert given.memory_plan.budget == int(0.95 * ram) and given.memory_plan.budget_note == ""

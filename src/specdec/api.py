@@ -24,7 +24,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.cache import KVCache
 from specdec.engine import Engine
 from specdec.heads.modules import head_bytes, is_heads_folder, load_heads, resolve_heads, shipped_heads
-from specdec.memory import device_memory, plan_memory
+from specdec.memory import default_budget, device_memory, plan_memory
 from specdec.models.llama import Transformer
 from specdec.models.loading import load_checkpoint, load_quantized, resolve_dtype
 from specdec.models.quant import BLOCK_FORMATS, quantize_linears, resolve_quantization
@@ -129,7 +129,7 @@ class LLM:
         max_model_len: int | None = None,
         device: str | None = None,
         max_num_seqs: int = 1,
-        memory_utilization: float = 0.9,
+        memory_utilization: float | None = None,
         prefill_chunk: int = 512,
         enable_prefix_caching: bool = True,
         prefix_caching_isolation: str = "shared",
@@ -155,8 +155,12 @@ class LLM:
             draft_weights = head_bytes(self.heads)
             if self.heads.config.method == "eagle":
                 draft_kv_per_token = KVCache.bytes_per_token(self.heads.config.layer_config(), self.dtype)
+        total = device_memory(self.device)  # None: 0.9 of a GPU; on CPU the weights + 4 GiB for caches (memory.py)
+        budget, cache_space = default_budget(self.device, total) if memory_utilization is None else \
+            (int(memory_utilization * total), None)
         self.memory_plan = plan_memory(
-            budget=int(memory_utilization * device_memory(self.device)),
+            budget=budget,
+            cache_space=cache_space,
             target_weights=model_bytes(self.target),
             draft_weights=draft_weights,
             target_kv_per_token=KVCache.bytes_per_token(self.target.config, self.dtype),

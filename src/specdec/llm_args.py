@@ -58,7 +58,8 @@ def add_llm_arguments(parser: argparse.ArgumentParser, speculation: bool = True)
     model.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
                        type=fraction, default=None, metavar="F",
                        help="fraction of the device memory the engine may take, in (0, 1] (vLLM's "
-                            "--gpu-memory-utilization: of the GPU's memory on CUDA, of RAM on CPU; default 0.9)")
+                            "--gpu-memory-utilization: of the GPU's memory on CUDA, of RAM on CPU; default: 0.9 of a "
+                            "GPU; on CPU the weights + 4 GiB for K/V caches, as vLLM's CPU backend, at most 0.9 of RAM)")
     model.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                        help="prompt tokens read per engine step at most (chunked prefill; default 512)")
     model.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -1,7 +1,11 @@
 """The memory budget: weights of target and draft first, then the KV caches of both from what remains.
 
 `--memory-utilization F` is the fraction of device memory (GPU) or of system memory (CPU) specdec may
-use, as vLLM's `--gpu-memory-utilization`. Every running sequence reserves `max_model_len` slots in the
+use, as vLLM's `--gpu-memory-utilization`. Without it: 0.9 of a GPU; on CPU, the weights plus
+`CPU_CACHE_SPACE` (4 GiB, as vLLM's CPU backend reserves by default, VLLM_CPU_KVCACHE_SPACE) for the K/V
+of the running sequences and the prefix cache together, or the running sequences' K/V if more, at most 0.9
+of RAM (`default_budget`): a machine others share is not filled by a cache that grows with every distinct
+prompt. Every running sequence reserves `max_model_len` slots in the
 target's cache and in the draft's, so the budget decides how many sequences run at once. With prefix
 caching, what the running sequences leave of the budget holds cached prefixes (blocks of the target's and
 the draft's K/V; see `specdec.prefix_cache`).
@@ -21,6 +25,8 @@ import torch
 from specdec.prefix_cache import BLOCK_SIZE
 
 GiB = 1024 ** 3
+DEFAULT_UTILIZATION = 0.9  # of the device's memory, when no fraction is given (of RAM at most, on CPU)
+CPU_CACHE_SPACE = 4 * GiB  # K/V space on CPU by default: the running sequences' and the prefix cache's
 SUFFIX_BYTES_PER_TOKEN = 800  # suffix decoding's tries, depth 24, on code (benchmarks/bench_suffix_trie.py)
 
 
@@ -48,6 +54,7 @@ class MemoryPlan:
     prefix_cache_blocks: int = 0  # blocks of `prefix_block_size` tokens (0: no prefix caching)
     prefix_block_size: int = BLOCK_SIZE
     suffix_cached_requests: int | None = None  # suffix decoding: outputs its global tries keep (None: not used)
+    budget_note: str = ""  # how the budget was chosen, for the report
 
     @property
     def kv_tokens(self) -> int:
@@ -81,7 +88,7 @@ class MemoryPlan:
         prefix = f"{self.prefix_cache_blocks} blocks of {self.prefix_block_size} tokens" if self.prefix_cache_blocks \
             else "off"
         return "\n".join([
-            f"memory budget      {gib(self.budget)}",
+            f"memory budget      {gib(self.budget)}" + (f"  ({self.budget_note})" if self.budget_note else ""),
             f"  target weights   {gib(self.target_weights)}",
             f"  {self.draft_label + ' weights':17}{gib(self.draft_weights)}",
             f"  target KV cache  {gib(self.target_kv)}  ({self.target_kv_per_token} B/token)",
@@ -95,6 +102,13 @@ class MemoryPlan:
         ])
 
 
+def default_budget(device: torch.device, total: int) -> tuple[int, int | None]:
+    """(budget, cache space) when no fraction is given: `DEFAULT_UTILIZATION` of `total` bytes, and on CPU
+    `CPU_CACHE_SPACE` for the caches beyond the weights (`plan_memory(cache_space=...)` lowers the budget to
+    it); None on a GPU, whose memory is the engine's alone."""
+    return int(DEFAULT_UTILIZATION * total), (None if device.type == "cuda" else CPU_CACHE_SPACE)
+
+
 def plan_memory(
     budget: int,
     target_weights: int,
@@ -105,17 +119,29 @@ def plan_memory(
     max_num_seqs: int,
     draft_label: str = "draft",
     prefix_caching: bool = False,
+    cache_space: int | None = None,
 ) -> MemoryPlan:
     """Fit weights, then as many sequences (up to `max_num_seqs`) of `max_model_len` tokens as remain room, then
-    (with `prefix_caching`) as many prefix-cache blocks as the rest holds."""
+    (with `prefix_caching`) as many prefix-cache blocks as the rest holds. With `cache_space` (CPU's default)
+    the budget is at most the weights plus that much for the caches, or plus the K/V of `max_num_seqs`
+    sequences if that is more (the space goes to the prefix cache first shrunk, never to fewer sequences).
+    Example: 23.5 GiB of RAM, weights 1.5 GiB, 8 sequences of 160 MiB: budget min(21.2, 1.5 + 4) = 5.5 GiB,
+    prefix cache 2.75 GiB."""
     weights = target_weights + draft_weights
+    per_seq = max_model_len * (target_kv_per_token + draft_kv_per_token)
+    note = ""
+    if cache_space is not None:
+        caches = max(cache_space, max_num_seqs * per_seq)
+        if weights + caches < budget:
+            budget = weights + caches
+            note = (f"the weights + {caches / GiB:.2f} GiB for K/V caches, the CPU default; "
+                    f"--gpu-memory-utilization F takes F of RAM")
     if weights > budget:
         raise MemoryBudgetError(
             f"the weights alone do not fit the memory budget: target {target_weights / GiB:.3f} GiB + {draft_label} "
             f"{draft_weights / GiB:.3f} GiB = {weights / GiB:.3f} GiB > budget {budget / GiB:.3f} GiB; raise "
             f"--memory-utilization or use a smaller model"
         )
-    per_seq = max_model_len * (target_kv_per_token + draft_kv_per_token)
     fits = (budget - weights) // per_seq
     if fits < 1:
         raise MemoryBudgetError(
@@ -128,4 +154,4 @@ def plan_memory(
     if prefix_caching:
         blocks = (budget - weights - num_seqs * per_seq) // (BLOCK_SIZE * (target_kv_per_token + draft_kv_per_token))
     return MemoryPlan(budget, target_weights, draft_weights, target_kv_per_token, draft_kv_per_token,
-                      max_model_len, num_seqs, draft_label, int(blocks))
+                      max_model_len, num_seqs, draft_label, int(blocks), budget_note=note)
