@@ -143,6 +143,30 @@ def test_beta_query_and_unknown_fields_are_ignored(client, live):
     assert r.status_code == 200 and r.json()["content"][0]["text"] == "ok"
 
 
+def test_what_claude_code_sends(client, live, monkeypatch):
+    """Claude Code 2.1's requests: a system message among the turns, thinking "adaptive" (answered without
+    thinking: the model decides, and this one never thinks in blocks), `output_config` with a JSON schema (its
+    title request: the chat path's response_format), `context_management`, `max_tokens` 64000."""
+    import specdec.server.app as app_module
+
+    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: None)
+    live.engine.say = '{"title": "Greeting"}'
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"],
+              "additionalProperties": False}
+    body = {"model": "claude-opus-4-8", "max_tokens": 64000, "stream": True, "system": "Be brief.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "system", "content": "Reminder."}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": schema}},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    r = httpx.post(live.url + "/v1/messages?beta=true", json=body, timeout=20)
+    assert r.status_code == 200, r.text
+    text = "".join(e["delta"]["text"] for kind, e in sse(r) if kind == "content_block_delta")
+    assert text == live.engine.say
+    assert live.engine.prompts[-1] == rendered([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                                {"role": "system", "content": "Reminder."}])
+    assert live.engine.params[-1].response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
 # ---- tools ----------------------------------------------------------------------------------------------------
 
 
@@ -217,7 +241,7 @@ BAD = [
     ({"max_tokens": 5}, "messages"),
     ({"messages": PARIS}, "max_tokens"),
     ({"messages": PARIS, "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 5}, "messages[0].role"),
     ({"messages": PARIS, "max_tokens": 5, "temperature": 1.5}, "temperature"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5},
      "messages[0].content[0]"),
@@ -279,3 +303,43 @@ def test_api_key_as_x_api_key_or_bearer_and_errors_in_anthropics_shape():
         assert r.status_code == 200  # one key, either header, on every route
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
+
+
+def test_pings_while_the_engine_is_silent(monkeypatch):
+    """A long prefill streams nothing for minutes; Claude Code retries a stream after 5 minutes without an
+    event. A ping goes out whenever `heartbeat_s` passes without a chunk (here 0.05 s, steps taking 0.3 s),
+    and the SDK's helper takes the stream as usual."""
+    import functools
+
+    import specdec.server.app as app_module
+
+    monkeypatch.setattr(app_module.anthropic, "MessageTranslator",
+                        functools.partial(app_module.anthropic.MessageTranslator, heartbeat_s=0.05))
+    with LiveServer(FakeEngine(step_delay=0.3, tokens_per_step=20)) as server:
+        body = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(server.url + "/v1/messages", json={**body, "stream": True}, timeout=20)
+        kinds = [kind for kind, _ in sse(r)]
+        assert kinds.count("ping") >= 3 and kinds[-1] == "message_stop"
+        with anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.stream(**body) as s:
+            assert s.get_final_message().content[0].text == reply_for(chat_prompt_text("hi"))
+
+
+def test_heartbeats_keep_order_errors_and_close():
+    import asyncio
+
+    from specdec.server.keepalive import with_heartbeats
+
+    async def items(fail: bool):
+        yield 1
+        await asyncio.sleep(0.12)
+        yield 2
+        if fail:
+            raise RuntimeError("engine")
+
+    async def collect(fail: bool) -> list:
+        return [x async for x in with_heartbeats(items(fail), 0.05)]
+
+    got = asyncio.run(collect(False))
+    assert got[0] == 1 and got[-1] == 2 and set(got[1:-1]) == {None} and len(got) >= 3
+    with pytest.raises(RuntimeError, match="engine"):
+        asyncio.run(collect(True))

@@ -344,3 +344,53 @@ def test_sigterm_exits_cleanly(server, url):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) in (0, -signal.SIGTERM)
     assert "Traceback" not in log.read_text()
+
+
+def test_messages_and_responses_answer_the_chat_greedy_text(url, client, reference):
+    """The same conversation through /v1/chat/completions, /v1/messages (the `anthropic` SDK) and
+    /v1/responses (`client.responses`), whole and streamed: plain decoding's greedy text every time."""
+    anthropic = pytest.importorskip("anthropic")
+    ref = reference("chat", CHAT)
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", timeout=600, max_retries=0)
+    m = claude.messages.create(model="any-name", max_tokens=N, messages=CHAT, extra_body={"temperature": 0})
+    assert [(b.type, b.text) for b in m.content] == [("text", ref.text)] and m.stop_reason == "max_tokens"
+    assert m.usage.output_tokens == len(ref.token_ids)
+    with claude.messages.stream(model="any-name", max_tokens=N, messages=CHAT, extra_body={"temperature": 0}) as s:
+        assert "".join(s.text_stream) == ref.text
+    r = client.responses.create(model=TARGET, input=CHAT[0]["content"], max_output_tokens=N, temperature=0,
+                                store=False)
+    assert r.output_text == ref.text and r.status == "incomplete" and r.usage.output_tokens == len(ref.token_ids)
+    with client.responses.stream(model=TARGET, input=CHAT, max_output_tokens=N, temperature=0, store=False) as s:
+        assert "".join(e.delta for e in s if e.type == "response.output_text.delta") == ref.text
+
+
+def test_tool_use_through_messages_and_responses(url, client):
+    """The model's call (a ```json fence) comes back as a tool_use block and as a function_call item whose
+    arguments parse."""
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", timeout=600, max_retries=0)
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    m = claude.messages.create(model="any-name", max_tokens=40, messages=PARIS, tools=[tool],
+                               extra_body={"temperature": 0})
+    assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [
+        ("tool_use", "get_weather", {"city": "Paris"})]
+    r = client.responses.create(model=TARGET, input=PARIS, tools=[{"type": "function", **WEATHER["function"]}],
+                                max_output_tokens=40, temperature=0, store=False)
+    (call,) = r.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+
+
+def test_a_json_schema_allows_only_its_properties_by_default(client):
+    """Issue 32: properties `name` and `age` and no word on additionalProperties let the model add unlisted
+    properties until max_tokens cut the JSON off; strict by default (as vLLM's xgrammar), under speculation."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"]}
+    r = client.chat.completions.create(
+        model=TARGET, max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Invent a person. Answer in JSON with a name, an age, a city and "
+                                              "a job."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
+    assert r.choices[0].finish_reason == "stop" and r.model_extra["specdec"]["num_draft_tokens"] > 0

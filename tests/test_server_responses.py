@@ -241,3 +241,21 @@ def test_json_schemas_strict_by_default_lenient_by_server_option(monkeypatch, le
             sent = server.engine.params[-1].response_format["json_schema"]
             expected = strict if strict is not None else (False if lenient else None)
             assert sent.get("strict") == expected and sent["schema"] == schema
+
+
+def test_in_progress_heartbeats_while_the_engine_is_silent(monkeypatch):
+    """Codex gives up on a stream after 5 minutes without an event: response.in_progress goes out again
+    whenever `heartbeat_s` passes without a chunk, and the SDK's helper takes the stream as usual."""
+    import functools
+
+    import specdec.server.app as app_module
+
+    monkeypatch.setattr(app_module, "ResponseTranslator",
+                        functools.partial(app_module.ResponseTranslator, heartbeat_s=0.05))
+    with LiveServer(FakeEngine(step_delay=0.3, tokens_per_step=20)) as server:
+        r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "stream": True}, timeout=20)
+        kinds = [json.loads(e.split("data: ", 1)[1])["type"] for e in r.text.strip().split("\n\n")]
+        assert kinds.count("response.in_progress") >= 4 and kinds[-1] == "response.completed"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        with client.responses.stream(model=MODEL, input="hi") as stream:
+            assert stream.get_final_response().output_text.startswith("Héllo")

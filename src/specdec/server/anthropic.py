@@ -15,7 +15,9 @@ or streamed, is translated back (`MessageTranslator`). Example:
 
 Fields this API has and specdec does not use are ignored, as Anthropic's own unknown beta fields are
 (`cache_control`, `context_management`, `service_tier`, ...); what would change the answer and cannot be
-done (images, documents, server tools, extended thinking) is refused with a 400 that says so. The `model`
+done (images, documents, server tools, thinking with a budget) is refused with a 400 that says so;
+`thinking: {"type": "adaptive"}` (Claude Code's default: the model decides) is answered without thinking.
+`output_config.format` (a JSON schema) is the chat path's response_format. The `model`
 is not checked: Anthropic clients send their own model names, and the served model answers them all.
 Errors have Anthropic's shape (`ErrorShape`, for every error on these paths, the middleware's included).
 """
@@ -30,6 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specdec.server.keepalive import DEFAULT_INTERVAL_S, with_heartbeats
 from specdec.server.protocol import APIError, ChatCompletionRequest, validation_error
 
 PATH = "/v1/messages"
@@ -82,7 +85,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | U
 
 
 class InputMessage(_Open):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: text among the turns, as Claude Code sends it
     content: str | list[Block]
 
 
@@ -104,8 +107,17 @@ class Metadata(_Open):
 
 
 class Thinking(_Open):
-    type: str
+    type: str  # "enabled" (with budget_tokens), "adaptive" (the model decides), "disabled"
     budget_tokens: int | None = None
+
+
+class OutputFormat(_Open):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Open):
+    format: OutputFormat | None = None  # structured output; `effort` and the rest are ignored
 
 
 class MessagesRequest(_Open):
@@ -122,12 +134,15 @@ class MessagesRequest(_Open):
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's earlier place for it
 
     def to_chat(self, stream: bool | None = None) -> ChatCompletionRequest:
         """The chat request this asks for. 400 for what cannot be honoured (see the module's docstring)."""
-        if self.thinking is not None and self.thinking.type != "disabled":
+        if self.thinking is not None and self.thinking.type not in ("disabled", "adaptive"):
             raise APIError(400, f"thinking ({self.thinking.type!r}) is not supported by this model: it answers "
-                                "without thinking blocks; leave `thinking` out or set it to {\"type\": \"disabled\"}",
+                                "without thinking blocks; leave `thinking` out or set its type to \"disabled\" (or "
+                                "\"adaptive\", which lets the model decide: this one never thinks in blocks)",
                            param="thinking", code="unsupported_parameter")
         messages: list[dict[str, Any]] = []
         if self.system:
@@ -148,6 +163,10 @@ class MessagesRequest(_Open):
             body["tools"] = [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
             body.update(_chat_tool_choice(self.tool_choice))
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt or self.output_format:
+            schema = (fmt or self.output_format).schema_
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
@@ -163,6 +182,8 @@ def _chat_messages(message: InputMessage, where: str) -> list[dict[str, Any]]:
     user's text); an assistant's tool_use blocks become its `tool_calls`."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
+    if message.role == "system":
+        return [{"role": "system", "content": "\n".join(_text_only(message.content, f"{where}.content"))}]
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -262,8 +283,8 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
 class MessageTranslator:
     """One request's chat answer as an Anthropic message (`response`) or event stream (`events`)."""
 
-    def __init__(self, model: str):
-        self.model = model
+    def __init__(self, model: str, heartbeat_s: float = DEFAULT_INTERVAL_S):
+        self.model, self.heartbeat_s = model, heartbeat_s
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     def _message(self, content: list, stop_reason: str | None, stop_sequence: str | None,
@@ -281,14 +302,18 @@ class MessageTranslator:
     async def events(self, chunks: AsyncIterator[dict], prompt_tokens: int) -> AsyncIterator[str]:
         """message_start, ping, then per content block content_block_start / _delta / _stop (text as it
         comes; a tool call, complete, as one input_json_delta), message_delta (stop_reason, usage),
-        message_stop. An error mid-stream is an `error` event, and the stream ends."""
+        message_stop; a `ping` too every `heartbeat_s` seconds without a chunk. An error mid-stream is an
+        `error` event, and the stream ends."""
         usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                  "output_tokens": 0}
         yield _event("message_start", {"type": "message_start", "message": self._message([], None, None, usage)})
         yield _event("ping", {"type": "ping"})
         index, text_open, stop = 0, False, ("end_turn", None)
         try:
-            async for chunk in chunks:
+            async for chunk in with_heartbeats(chunks, self.heartbeat_s):
+                if chunk is None:  # the engine is silent (a long prefill): a ping for the client's watchdog
+                    yield _event("ping", {"type": "ping"})
+                    continue
                 if chunk.get("usage"):
                     if text_open:
                         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})

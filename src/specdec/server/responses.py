@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specdec.server.keepalive import DEFAULT_INTERVAL_S, with_heartbeats
 from specdec.server.protocol import APIError, ChatCompletionRequest, validation_error
 
 DEFAULT_MAX_STORED = 256  # responses kept for previous_response_id / GET
@@ -285,8 +286,10 @@ class ResponseTranslator:
     """One request's chat answer as a response object (`response`) or its event stream (`events`); stored
     at the end when the request says `store`."""
 
-    def __init__(self, req: ResponsesRequest, model: str, conversation: list[dict[str, Any]], store: ResponseStore):
+    def __init__(self, req: ResponsesRequest, model: str, conversation: list[dict[str, Any]], store: ResponseStore,
+                 heartbeat_s: float = DEFAULT_INTERVAL_S):
         self.req, self.model, self.conversation, self.store = req, model, conversation, store
+        self.heartbeat_s = heartbeat_s
         self.id = _item_id("resp")
         self.created_at = int(time.time())
         self.sequence = 0
@@ -331,13 +334,17 @@ class ResponseTranslator:
         response.content_part.done, response.output_item.done; for each tool call (complete):
         response.output_item.added, response.function_call_arguments.delta and .done,
         response.output_item.done; then response.completed (response.incomplete at max_output_tokens).
-        An error mid-stream is an `error` event, then response.failed."""
+        response.in_progress again every `heartbeat_s` seconds without a chunk. An error mid-stream is an
+        `error` event, then response.failed."""
         yield self._event("response.created", response=self._response("in_progress", [], None))
         yield self._event("response.in_progress", response=self._response("in_progress", [], None))
         output: list[dict[str, Any]] = []
         text_id, text, finish = None, "", None
         try:
-            async for chunk in chunks:
+            async for chunk in with_heartbeats(chunks, self.heartbeat_s):
+                if chunk is None:  # the engine is silent (a long prefill): a heartbeat for the client's watchdog
+                    yield self._event("response.in_progress", response=self._response("in_progress", [], None))
+                    continue
                 if chunk.get("usage"):
                     for event in self._close_text(output, text_id, text):
                         yield event
