@@ -117,6 +117,20 @@ def test_function_call_whole_and_streamed(client, live):
                           "response.output_item.done", "response.completed"]
 
 
+def test_only_function_tools_are_offered_to_the_model(client, live):
+    """Codex sends a web_search tool and a namespace of sub-agent tools with every request: left out of the
+    prompt (nothing here could run them), the function tools offered as chat's."""
+    live.engine.say = "ok"
+    namespace = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+                 "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}
+    r = client.responses.create(model=MODEL, input=QUESTION, store=False, tools=[
+        TOOL, {"type": "web_search", "external_web_access": False}, namespace,
+        {"type": "custom", "name": "apply_patch", "description": "A patch."}])
+    assert r.output_text == "ok" and live.engine.prompts[-1] == rendered(PARIS, [WEATHER])
+    client.responses.create(model=MODEL, input=QUESTION, store=False, tools=[{"type": "web_search"}])
+    assert live.engine.prompts[-1] == rendered(PARIS)
+
+
 def test_max_output_tokens_makes_an_incomplete_response(client, live):
     live.engine.say = "one two three"
     r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, store=False)
@@ -196,7 +210,6 @@ BAD = [
     ({"input": 3}, "input"),
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, "temperature"),
@@ -217,7 +230,7 @@ def test_errors_through_the_sdk_and_mid_stream():
     with LiveServer(FakeEngine()) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError):
-            client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+            client.responses.create(model=MODEL, input="x", max_output_tokens=0)
         r = httpx.post(server.url + "/v1/responses", json={"input": "BOOM", "stream": True}, timeout=20)
         kinds = [json.loads(e)["type"] for e in (line.split("data: ", 1)[1] for line in r.text.strip().split("\n\n"))]
         assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == ["error", "response.failed"]

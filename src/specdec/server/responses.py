@@ -18,8 +18,10 @@ true, as OpenAI's) keeps the response and its conversation in memory (`ResponseS
 `max_responses`, at most `max_chars` characters of them, lost on restart), so a later request may continue it
 with `previous_response_id`, as vLLM does; the earlier request's `instructions` are not carried over.
 Fields specdec does not use (`reasoning`, `include`, `prompt_cache_key`, `truncation`, ...) are ignored, as
-vLLM ignores them; what would change the answer and cannot be done (images, files, built-in tools,
-`background`) is a 400 that says so.
+vLLM ignores them. Only function tools are offered to the model: built-in tools (`web_search`, ...), custom
+tools and tool namespaces, which Codex sends with every request, are left out of the prompt, since nothing
+here could run them. What would change the answer and cannot be done (images, files, `background`) is a 400
+that says so.
 """
 
 from __future__ import annotations
@@ -173,8 +175,9 @@ class ResponsesRequest(_Open):
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
-        if self.tools:
-            body["tools"] = [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(self.tools)]
+        functions = [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(self.tools or ()) if t.type == "function"]
+        if functions:  # built-in tools and namespaces are not offered to the model: nothing here could run them
+            body["tools"] = functions
         if isinstance(self.tool_choice, NamedFunction):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         else:
@@ -215,9 +218,6 @@ class ResponsesRequest(_Open):
 
 
 def _chat_tool(tool: FunctionTool, where: str) -> dict[str, Any]:
-    if tool.type != "function":
-        raise APIError(400, f"the built-in tool {tool.type!r} is not supported: declare function tools",
-                       param=f"{where}.type", code="unsupported_parameter")
     if tool.name is None:
         raise APIError(400, "a function tool needs a name", param=f"{where}.name", code="missing_required_parameter")
     function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object"}}

@@ -1,0 +1,159 @@
+"""Real coding agents against a live `specdec serve`: Claude Code (`claude -p`, Anthropic's Messages API) and
+OpenAI's Codex CLI (`codex exec`, the Responses API), one-shot prompts.
+
+Two layers. Over a fake engine that answers a tool call, then the tool's result (fast, `not real`): each
+agent's request is accepted, its tool runs on this machine, and the result comes back to the model and into
+the agent's final answer: the whole agent loop through the translation layers. On the real default model
+(`real`): a one-shot prompt is answered, `specdec serve --max-model-len 32768` (Claude Code's prompt is 21k
+tokens: more than the default context; on 2 CPU cores its prefill takes minutes).
+
+Each needs Node and the agent's npm package on PATH (`npm i -g @anthropic-ai/claude-code @openai/codex`);
+skipped with the reason otherwise. The agents' configuration goes to temporary folders (CLAUDE_CONFIG_DIR,
+CODEX_HOME), never the user's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_server_unit import EOS, MODEL, FakeEngine, LiveServer, free_port
+
+MARKER = "specdec-was-here"
+TOOL_CALLS = {  # the agent's shell tool, as each names it
+    "claude": {"name": "Bash", "arguments": {"command": f"echo {MARKER}", "description": "Print a marker"}},
+    "codex": {"name": "exec_command", "arguments": {"cmd": f"echo {MARKER}"}},
+}
+
+
+def need(program: str) -> str:
+    if shutil.which("node") is None:
+        pytest.skip("Node is not installed: the agents are npm packages")
+    path = shutil.which(program)
+    if path is None:
+        package = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}[program]
+        pytest.skip(f"`{program}` is not on PATH: npm i -g {package}")
+    return path
+
+
+def claude(url: str, prompt: str, tmp_path: Path, timeout: float, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "unused",
+           "CLAUDE_CONFIG_DIR": str(tmp_path / "claude"), "DISABLE_AUTOUPDATER": "1"}
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run([need("claude"), *flags, "-p", prompt], env=env, cwd=work, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def codex(url: str, model: str, prompt: str, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
+    home = tmp_path / "codex"
+    home.mkdir(exist_ok=True)
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "specdec"\n\n[model_providers.specdec]\nname = "specdec"\n'
+        f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run([need("codex"), "exec", "--skip-git-repo-check", prompt], env={**os.environ, "CODEX_HOME": str(home)},
+                          cwd=work, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+# ---- the agent loop over a fake engine ---------------------------------------------------------------------
+
+
+class AgentEngine(FakeEngine):
+    """Answers a call of the agent's shell tool; once the prompt holds a tool's result (the fake template writes
+    it after `<tool>`), answers with that result. `prompts` keeps every prompt."""
+
+    def __init__(self, agent: str):
+        super().__init__(max_model_len=1 << 21, tokens_per_step=64)
+        self.call = f"<tool_call>\n{json.dumps(TOOL_CALLS[agent])}\n</tool_call>"
+        self.prompts: list[str] = []
+
+    def add_request(self, request_id, prompt_token_ids, params, cache_salt=None) -> None:
+        super().add_request(request_id, prompt_token_ids, params, cache_salt)
+        prompt = self.tokenizer.decode(prompt_token_ids)
+        self.prompts.append(prompt)
+        say = f"The tool said: {prompt.rsplit('<tool>', 1)[1][:200]}" if "<tool>" in prompt else self.call
+        self.waiting[-1]["answer"] = list(say.encode()) + [EOS]
+
+
+def test_claude_code_runs_a_tool_through_v1_messages(tmp_path):
+    need("claude")
+    with LiveServer(AgentEngine("claude")) as server:
+        done = claude(server.url, "Print the marker.", tmp_path, 180, "--allowedTools", "Bash(echo:*)")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"The tool said: {MARKER}" in done.stdout  # the Bash tool ran, its output came back
+        assert any(f"<tool>{MARKER}" in p for p in server.engine.prompts)
+
+
+def test_codex_runs_a_tool_through_v1_responses(tmp_path):
+    need("codex")
+    with LiveServer(AgentEngine("codex")) as server:
+        done = codex(server.url, MODEL, "Print the marker.", tmp_path, 180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "The tool said:" in done.stdout and MARKER in done.stdout
+        assert any(MARKER in p.rsplit("<tool>", 1)[-1] for p in server.engine.prompts if "<tool>" in p)
+
+
+# ---- one-shot prompts on the real model --------------------------------------------------------------------
+
+REAL_TIMEOUT_S = 3600  # Claude Code's 21k-token prompt on 2 shared CPU cores: prefill takes many minutes
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    command = [sys.executable, "-m", "specdec", "serve", "--max-model-len", "32768", "--port", str(port)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 900
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        yield url, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def answered_without_errors(log: Path, path: str) -> None:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if f'"POST {path}' in line]
+    assert lines and all(" 200 " in line for line in lines), lines
+
+
+@pytest.mark.real
+def test_claude_code_one_shot_on_the_real_model(real_server, tmp_path):
+    url, log = real_server
+    done = claude(url, "Say hello in three words.", tmp_path, REAL_TIMEOUT_S)
+    assert done.returncode == 0 and done.stdout.strip(), done.stdout + done.stderr
+    assert "API Error" not in done.stdout
+    answered_without_errors(log, "/v1/messages")
+
+
+@pytest.mark.real
+def test_codex_one_shot_on_the_real_model(real_server, tmp_path):
+    url, log = real_server
+    done = codex(url, "qwen2.5-coder-1.5b-instruct", "Say hello in three words.", tmp_path, REAL_TIMEOUT_S)
+    assert done.returncode == 0 and done.stdout.strip(), done.stdout + done.stderr
+    answered_without_errors(log, "/v1/responses")
