@@ -20,12 +20,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 from load_test import free_port, launch
+from specdec.bench.agent import stream_chat
 from specdec.data import DATA_DIR
 
 TARGET, DRAFT, K = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", 5
@@ -65,29 +63,7 @@ def server_command(mode: str, port: int, llama_server: Path) -> list[str]:
 
 def turn(url: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed greedy chat request: its text, time to first token, total time and usage."""
-    body = {"model": TARGET, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first, text, usage, timings = None, "", {}, {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                raise RuntimeError(chunk["error"])
-            content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
-            if content:
-                first = first or time.perf_counter()
-                text += content
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings  # llama.cpp's: cache_n, its cached prompt tokens
-    end = time.perf_counter()
-    details = usage.get("prompt_tokens_details") or {}
-    return {"text": text, "ttft": (first or end) - start, "seconds": end - start,
-            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-            "cached_tokens": details.get("cached_tokens", timings.get("cache_n"))}
+    return stream_chat(url, TARGET, messages, max_tokens)
 
 
 def session(url: str, turns: int, max_tokens: int) -> list[dict]:

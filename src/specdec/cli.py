@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.bench.cli import add_bench_arguments, run_bench
 
     bench = sub.add_parser("bench", help="compare speculation methods on your prompts: report and plots "
-                                         "(`specdec bench serve --help`: load-test a server)")
+                                         "(`specdec bench serve --help`: load-test a server; `specdec bench "
+                                         "agent --help`: an agent's edit session against servers)")
     add_bench_arguments(bench).set_defaults(func=run_bench)
 
     models = sub.add_parser("models", help="pull or list known models")
@@ -171,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                                               "OpenAI-compatible server with concurrent streaming clients")
         args = add_bench_serve_arguments(bench_serve).parse_args(argv[2:])
         args.func = run_bench_serve
+    elif argv[:2] == ["bench", "agent"]:  # likewise
+        from specdec.bench.cli import add_bench_agent_arguments, run_bench_agent
+
+        bench_agent = argparse.ArgumentParser(prog="specdec bench agent", description="replay a coding agent's "
+                                              "edit session against OpenAI-compatible servers, side by side")
+        args = add_bench_agent_arguments(bench_agent).parse_args(argv[2:])
+        args.func = run_bench_agent
     else:
         args = build_parser().parse_args(argv)
     from specdec.memory import MemoryBudgetError

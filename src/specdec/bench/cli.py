@@ -1,9 +1,11 @@
-"""`specdec bench TARGET ...` (compare speculation methods) and `specdec bench serve ...` (load-test a server)."""
+"""`specdec bench TARGET ...` (compare speculation methods), `specdec bench serve ...` (load-test a server) and
+`specdec bench agent ...` (an agent's edit session against servers, side by side)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from specdec.llm_args import add_llm_arguments, build_llm, pull_if_needed
@@ -125,3 +127,26 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print(report.read_text())
     print(json.dumps({"benchmark": "serve", "results": rows}))
     return 0 if not any(r["errors"] for r in rows) else 1
+
+
+def add_bench_agent_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--url", action="append", required=True,
+                        help="a server's base URL (repeat for several; the first is the baseline)")
+    parser.add_argument("--name", action="append", help="a name for each --url, in order (default: the URLs)")
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the model name to request")
+    parser.add_argument("--api-key", help="sent as a bearer token")
+    return parser
+
+
+def run_bench_agent(args: argparse.Namespace) -> int:
+    """The session on every server; a table, then one JSON line. Exit status 1 when an edit was wrong."""
+    from specdec.bench.agent import run_session, session_table, summary
+
+    names = args.name or args.url
+    if len(names) != len(args.url):
+        raise ValueError("give one --name per --url, or none")
+    results = run_session(dict(zip(names, args.url)), args.model, api_key=args.api_key,
+                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print("\n".join(session_table(results)))
+    print(json.dumps({"benchmark": "agent", "results": summary(results)}))
+    return 0 if all(r["correct"] for rows in results.values() for r in rows) else 1
