@@ -4,8 +4,9 @@ OpenAI's Codex CLI (`codex exec`, the Responses API), one-shot prompts.
 Two layers. Over a fake engine that answers a tool call, then the tool's result (fast, `not real`): each
 agent's request is accepted, its tool runs on this machine, and the result comes back to the model and into
 the agent's final answer: the whole agent loop through the translation layers. On the real default model
-(`real`): a one-shot prompt is answered, `specdec serve --max-model-len 32768` (Claude Code's prompt is 21k
-tokens: more than the default context; on 2 CPU cores its prefill takes minutes).
+(`real`): a one-shot prompt is answered, `specdec serve --max-model-len 32768 --max-num-seqs 2` (Claude Code's
+prompt is 21k tokens: more than the default context; on 2 CPU cores its prefill takes many minutes, so the
+test raises Claude Code's stream idle timeout).
 
 Each needs Node and the agent's npm package on PATH (`npm i -g @anthropic-ai/claude-code @openai/codex`);
 skipped with the reason otherwise. The agents' configuration goes to temporary folders (CLAUDE_CONFIG_DIR,
@@ -46,8 +47,11 @@ def need(program: str) -> str:
 
 
 def claude(url: str, prompt: str, tmp_path: Path, timeout: float, *flags: str) -> subprocess.CompletedProcess:
+    # Claude Code abandons (and retries) a stream after 5 minutes without a content event (its SDK drops our
+    # pings before its watchdog sees them); its 21k-token prompt prefills longer than that on 2 CPU cores
     env = {**os.environ, "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "unused",
-           "CLAUDE_CONFIG_DIR": str(tmp_path / "claude"), "DISABLE_AUTOUPDATER": "1"}
+           "CLAUDE_CONFIG_DIR": str(tmp_path / "claude"), "DISABLE_AUTOUPDATER": "1",
+           "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(int(REAL_TIMEOUT_S * 1000))}
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     return subprocess.run([need("claude"), *flags, "-p", prompt], env=env, cwd=work, capture_output=True, text=True,
@@ -113,7 +117,9 @@ REAL_TIMEOUT_S = 3600  # Claude Code's 21k-token prompt on 2 shared CPU cores: p
 def real_server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-m", "specdec", "serve", "--max-model-len", "32768", "--port", str(port)]
+    # 2 sequences of up to 32768 tokens leave the CPU's KV budget room for a prefix cache (8 would take it all)
+    command = [sys.executable, "-m", "specdec", "serve", "--max-model-len", "32768", "--max-num-seqs", "2",
+               "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
