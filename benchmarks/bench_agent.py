@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from load_test import free_port, launch
-from specdec.bench.agent import run_session, session_table, stream_chat, summary
+from specdec.bench.agent import SESSION, run_session, session_table, stream_chat, summary
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", type=Path, default=next((p for p in LLAMA_SERVERS if p.is_file()), None))
     ap.add_argument("--modes", default="llama.cpp,auto,plain,seed,suffix,medusa")
+    ap.add_argument("--turns", type=int, default=len(SESSION), choices=range(1, len(SESSION) + 1),
+                    help="the session's first N turns")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m and (m != "llama.cpp" or args.llama_server is not None)]
     unknown = set(modes) - set(SPECDEC_MODES) - {"llama.cpp"}
@@ -72,13 +74,15 @@ def main() -> None:
             servers[mode] = f"http://127.0.0.1:{port}"
         for url in servers.values():  # one-time costs (pages of the weights, buffers): not measured
             stream_chat(url, TARGET, [{"role": "user", "content": "Write a Python function that adds two numbers."}], 32)
-        results = run_session(servers, TARGET, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        results = run_session(servers, TARGET, SESSION[:args.turns], progress=lambda line: print(line, file=sys.stderr, flush=True))
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
     print("\n".join(session_table(results)))
+    with open(f"{log_dir}/answers.json", "w") as f:  # what each server answered, to look at
+        json.dump({name: [r["text"] for r in rows] for name, rows in results.items()}, f)
     print(json.dumps({"benchmark": "agent", "target": TARGET, "logs": log_dir, "results": summary(results)}))
 
 

@@ -132,10 +132,11 @@ def run_session(servers: dict[str, str], model: str, turns: tuple[Turn, ...] = S
                                                              f"{turn.instruction}"}]
             else:
                 history[name].append({"role": "user", "content": turn.instruction})
-            max_tokens = len(source) // 3 + 128  # the whole file again (~3.5 characters a token) and some room
+            max_tokens = len(source) // 2 + 256  # the whole file again (colorsys.py: 4062 characters, 1736 tokens)
             out = stream_chat(url, model, history[name], max_tokens, api_key)
             history[name].append({"role": "assistant", "content": out["text"]})
-            out.update(turn=i + 1, file=turn.module, correct=correct(out["text"], turn.check))
+            out.update(turn=i + 1, file=turn.module, correct=correct(out["text"], turn.check),
+                       finished=out["completion_tokens"] is not None and out["completion_tokens"] < max_tokens)
             results[name].append(out)
             if progress:
                 progress(f"turn {i + 1} {name}: {out['completion_tokens']} tokens in {out['seconds']:.1f} s "
