@@ -7,14 +7,12 @@ and following the target's distribution; the default speculation of `LLM` and it
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.api import build_speculative_config
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
 from specdec.heads.modules import load_heads
-from specdec.sampling import process_logits
 from specdec.speculative.auto import AutoProposer
 from specdec.speculative.controller import CostModel
 from specdec.speculative.head_proposers import MedusaProposer
@@ -22,7 +20,7 @@ from specdec.speculative.proposers import DraftModelProposer, SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 from test_engine_tiny import (BATCH_REQUESTS, GREEDY, MAX_LEN, PROMPTS, SpeculationPays, assert_metrics_consistent,
                               draft, generate, plain, run, target)
-from test_sampling_distribution import assert_follows
+from test_suffix import assert_first_two_follow_the_target
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
 
@@ -143,27 +141,8 @@ def test_seeded_sampling_is_reproducible(second):
 def test_sampled_tokens_follow_the_target():
     """Temperature 1, the trie beside a draft model that agrees half the time: the first two emitted tokens over
     1200 seeds follow the target's distributions (test_sampling_distribution's tolerances)."""
-    model = target("fp32")
-    prompt = list(PROMPTS[1])  # 50 60 50 60 ...: the trie drafts 60, 50, ...
-
-    def target_probs(tokens):
-        cache = model.new_cache(1, 64)
-        logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0, -1]
-        return process_logits(logits[None].float(), SamplingParams(temperature=1.0))[0]
-
-    engine = auto_engine("noisy copy", 3, True)
-    firsts, pairs, drafted = [], [], 0
-    for seed in range(1200):
-        out = generate(engine, prompt, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=seed))
-        firsts.append(out.token_ids[0])
-        pairs.append(tuple(out.token_ids))
-        drafted += out.metrics.num_draft_tokens
-    assert drafted > 600
-    assert_follows(torch.tensor(firsts), target_probs(prompt), "first token")
-    top = max(set(firsts), key=firsts.count)
-    seconds = [b for a, b in pairs if a == top]
-    assert len(seconds) > 150
-    assert_follows(torch.tensor(seconds), target_probs(prompt + [top]), "second token")
+    assert_first_two_follow_the_target(auto_engine("noisy copy", 3, True), seeds=1200, min_drafted=600,
+                                       min_seconds=150)
 
 
 # ------------------------------------------------------------------------------------------- with Medusa heads

@@ -249,25 +249,31 @@ def test_sampled_tokens_follow_the_target():
     """Temperature 1 on a low-entropy prompt the tries draft from: the first two emitted tokens, over 1500
     seeds, follow the target's distributions (the second given the most frequent first; the tolerances of
     test_sampling_distribution: 5 sigma + 3 draws per token, so a false failure has odds below 1e-4)."""
+    assert_first_two_follow_the_target(suffix_engine(4), seeds=1500, min_drafted=1000, min_seconds=200)
+
+
+def assert_first_two_follow_the_target(engine: Engine, seeds: int, min_drafted: int, min_seconds: int) -> None:
+    """`engine` (on `target("fp32")`) samples the first two tokens after PROMPTS[1] (50 60 50 60 ...: the tries
+    draft 60, 50, ...) at temperature 1 with `seeds` seeds: at least `min_drafted` tokens were drafted, and
+    the first token and the second (given the most frequent first, drawn at least `min_seconds` times) follow
+    the target's distributions."""
     model = target("fp32")
-    prompt = list(PROMPTS[1])  # 50 60 50 60 ...: the tries draft 60, 50, ...
-    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    prompt = list(PROMPTS[1])
 
     def target_probs(tokens):
         cache = model.new_cache(1, 64)
         logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0, -1]
-        return process_logits(logits[None].float(), params)[0]
+        return process_logits(logits[None].float(), SamplingParams(temperature=1.0))[0]
 
-    engine = suffix_engine(4)
     firsts, pairs, drafted = [], [], 0
-    for seed in range(1500):
+    for seed in range(seeds):
         out = generate(engine, prompt, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=seed))
         firsts.append(out.token_ids[0])
         pairs.append(tuple(out.token_ids))
         drafted += out.metrics.num_draft_tokens
-    assert drafted > 1000
+    assert drafted > min_drafted
     assert_follows(torch.tensor(firsts), target_probs(prompt), "first token")
     top = max(set(firsts), key=firsts.count)
     seconds = [b for a, b in pairs if a == top]
-    assert len(seconds) > 200
+    assert len(seconds) > min_seconds
     assert_follows(torch.tensor(seconds), target_probs(prompt + [top]), "second token")
