@@ -38,7 +38,7 @@ from specdec.speculative.build import build_proposer
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
-DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_ROW_LEN = 4096  # a K/V row's length while short sequences run (a long one runs in fewer, longer rows)
 
 
 def default_device() -> torch.device:
@@ -141,7 +141,9 @@ class LLM:
         self.target, self.tokenizer, self.target_path = load_model(model, self.dtype, self.device, self.quantization)
         self.load_time = time.perf_counter() - t0
         self.model_name = model
-        self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.config.max_position_embeddings)
+        # the model's own context unless asked for less (as vLLM), lowered by the plan if one sequence does not fit
+        self.max_model_len = min(max_model_len or self.target.config.max_position_embeddings,
+                                 self.target.config.max_position_embeddings)
         self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
         self.heads = self._load_heads(self.spec)
         self.draft_model = self._load_draft(self.spec)
@@ -169,15 +171,21 @@ class LLM:
             max_num_seqs=max_num_seqs,
             draft_label="heads" if self.heads is not None else "draft",
             prefix_caching=enable_prefix_caching,
+            row_len=DEFAULT_ROW_LEN,
+            lower_to_fit=max_model_len is None,
         )
+        self.max_model_len = self.memory_plan.max_model_len
         if self.spec is not None and (self.spec.method == "suffix" or self.spec.with_suffix):
             self.memory_plan = dataclasses.replace(
                 self.memory_plan, suffix_cached_requests=self.spec.suffix_decoding_max_cached_requests)
+        # a draft's K/V rows as long as the target's while short sequences run (the engine reshapes them together)
         proposer = build_proposer(self.spec, vocab_size=self.target.config.vocab_size,
-                                  max_num_seqs=self.memory_plan.max_num_seqs, max_model_len=self.max_model_len,
+                                  max_num_seqs=self.memory_plan.max_num_seqs,
+                                  max_model_len=self.memory_plan.row_len or self.max_model_len,
                                   draft_model=self.draft_model, heads=self.heads, special_ids=self.tokenizer.special_ids)
         self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
-                                   self.memory_plan.prefix_cache_blocks, prefix_caching_isolation)
+                                   self.memory_plan.prefix_cache_blocks, prefix_caching_isolation,
+                                   self.memory_plan.kv_tokens)
         self._ids = itertools.count()
 
     def engine_for(self, spec: SpeculativeConfig | None) -> Engine:
@@ -195,7 +203,8 @@ class LLM:
         return self._engine(spec, proposer, 1)
 
     def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
-                prefix_cache_blocks: int = 0, prefix_isolation: str = "shared") -> Engine:
+                prefix_cache_blocks: int = 0, prefix_isolation: str = "shared",
+                row_tokens: int | None = None) -> Engine:
         return Engine(
             self.target,
             self.tokenizer,
@@ -209,6 +218,7 @@ class LLM:
             prefix_cache_blocks=prefix_cache_blocks,
             prefix_block_size=self.memory_plan.prefix_block_size,
             prefix_isolation=prefix_isolation,
+            row_tokens=row_tokens,
         )
 
     def _load_draft(self, spec: SpeculativeConfig | None) -> Transformer | None:

@@ -82,6 +82,24 @@ class KVCache:
                 v[row, :, dst] = v[row, :, src]
         self.advance(row, len(indices))
 
+    def reshape(self, batch_size: int, capacity: int) -> None:
+        """Reallocate as `batch_size` rows of `capacity` slots (whole key blocks), keeping what the rows
+        that remain hold: how the engine trades rows for length (a long sequence runs in fewer, longer rows).
+        Rows dropped and slots cut must hold nothing committed.
+        Example: 8 rows of 4096 -> reshape(1, 32768): row 0 keeps its slots, rows 1..7 (empty) are gone."""
+        capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        if any(self.lengths[batch_size:]) or max(self.lengths[:batch_size], default=0) > capacity:
+            raise ValueError(f"cannot reshape a KV cache holding rows of lengths {self.lengths} to "
+                             f"{batch_size} rows of {capacity} slots")
+        rows, keep = min(batch_size, self.batch_size), min(capacity, self.capacity)
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                new = old.new_zeros((batch_size, old.shape[1], capacity, old.shape[3]))
+                new[:rows, :, :keep] = old[:rows, :, :keep]
+                tensors[i] = new
+        self.lengths = self.lengths[:rows] + [0] * (batch_size - rows)
+        self.capacity, self.batch_size = capacity, batch_size
+
     def row_view(self, row: int) -> "KVCache":
         """A one-row cache sharing this cache's storage for `row` (its lengths are its own: the caller
         copies the length back)."""

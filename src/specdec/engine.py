@@ -106,14 +106,17 @@ class Engine:
         prefix_cache_blocks: int = 0,
         prefix_block_size: int = BLOCK_SIZE,
         prefix_isolation: str = "shared",
+        row_tokens: int | None = None,
         controller: SpeculationController | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         """`controller`: the speculation policy (default: from `num_speculative_tokens`, `adaptive` and
         `disable_by_batch_size`); `prefix_isolation`: "shared" (vLLM's: requests without a `cache_salt` share
         cached prefixes with each other) or "salt" (only salted requests use the prefix cache, each salt its
-        own: how much of a prompt was cached tells nothing of another tenant's prompts); `clock`: what step parts are timed with (default: perf_counter, after a
-        CUDA synchronize on a GPU)."""
+        own: how much of a prompt was cached tells nothing of another tenant's prompts); `row_tokens`: the K/V
+        slots all running sequences share (default: `max_batch_size` rows of `max_model_len`; fewer: short
+        sequences run `max_batch_size` at once, a long one in fewer, longer rows, see `Scheduler`); `clock`:
+        what step parts are timed with (default: perf_counter, after a CUDA synchronize on a GPU)."""
         self.target = target
         self.vocab_size = target.config.vocab_size  # the width of its logits
         self.tokenizer = tokenizer
@@ -128,10 +131,19 @@ class Engine:
         self.controller = controller or SpeculationController(k, adaptive, disable_by_batch_size,
                                                               self.proposer.restart_tokens, self.proposer.guess_kinds)
         self.proposer.bind(self.controller)
-        self.cache = target.new_cache(max_batch_size, max_model_len + widest)
+        # rows of `row_tokens // max_batch_size` slots while short sequences run, fewer and longer for a long one
+        row_tokens = max_batch_size * max_model_len if row_tokens is None else row_tokens
+        short = min(max_model_len, row_tokens // max_batch_size)
+        if short < 1 or row_tokens < max_model_len:
+            raise ValueError(f"row_tokens {row_tokens} cannot hold one sequence of max_model_len {max_model_len}")
+        self.cache = target.new_cache(max_batch_size, short + widest)
         self._draft_kv = self.proposer.cache is not None  # K/V of its own: rows and prefixes kept with the target's
         caches = [self.cache] + ([self.proposer.cache] if self._draft_kv else [])
-        self.scheduler = Scheduler(max_batch_size, caches)
+        if self._draft_kv:  # its rows as long as the target's, + what it keeps beyond max_model_len + widest if more
+            margin = max(0, self.proposer.cache.capacity - max_model_len - widest)
+            self.proposer.cache.reshape(max_batch_size, self.cache.capacity + margin)
+        self.scheduler = Scheduler(max_batch_size, caches, row_tokens=row_tokens * self.cache.capacity // short,
+                                   need=lambda seq: len(seq.prompt_ids) + seq.params.max_tokens + widest)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.metrics = SpecMetrics()  # cumulative
         self._aborted: set[str] = set()

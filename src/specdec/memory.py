@@ -5,8 +5,9 @@ use, as vLLM's `--gpu-memory-utilization`. Without it: 0.9 of a GPU; on CPU, the
 `CPU_CACHE_SPACE` (4 GiB, as vLLM's CPU backend reserves by default, VLLM_CPU_KVCACHE_SPACE) for the K/V
 of the running sequences and the prefix cache together, or the running sequences' K/V if more, at most 0.9
 of RAM (`default_budget`): a machine others share is not filled by a cache that grows with every distinct
-prompt. Every running sequence reserves `max_model_len` slots in the
-target's cache and in the draft's, so the budget decides how many sequences run at once. With prefix
+prompt. Every running sequence reserves a row of slots in the target's cache and in the draft's: rows of
+`row_len` (4096 by default) while short sequences run, fewer and longer ones (up to `max_model_len`, the
+model's own context by default) while a long one does, so the budget decides how many sequences run at once. With prefix
 caching, what the running sequences leave of the budget holds cached prefixes (blocks of the target's and
 the draft's K/V; see `specdec.prefix_cache`).
 
@@ -55,10 +56,13 @@ class MemoryPlan:
     prefix_block_size: int = BLOCK_SIZE
     suffix_cached_requests: int | None = None  # suffix decoding: outputs its global tries keep (None: not used)
     budget_note: str = ""  # how the budget was chosen, for the report
+    row_len: int = 0  # a row's length while short sequences run (0: max_model_len, every row that long)
+    context_note: str = ""  # why max_model_len is below the model's own, for the report
 
     @property
     def kv_tokens(self) -> int:
-        return self.max_num_seqs * self.max_model_len
+        """Slots the running sequences share: `max_num_seqs` rows of `row_len`, or fewer, longer rows."""
+        return max(self.max_num_seqs * (self.row_len or self.max_model_len), self.max_model_len)
 
     @property
     def target_kv(self) -> int:
@@ -78,6 +82,7 @@ class MemoryPlan:
             "target_kv": self.target_kv, "draft_kv": self.draft_kv, "kv_tokens": self.kv_tokens,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "prefix_cache": self.prefix_cache, "prefix_cache_blocks": self.prefix_cache_blocks,
+            "row_len": self.row_len or self.max_model_len,
         }
 
     def report(self) -> str:
@@ -98,7 +103,12 @@ class MemoryPlan:
                f"{self.suffix_cached_requests} outputs, about {SUFFIX_BYTES_PER_TOKEN} B a token"]
               if self.suffix_cached_requests is not None else []),
             f"  total            {gib(used)}",
-            f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.max_model_len} tokens",
+            *([f"max_model_len      {self.max_model_len} ({self.context_note})"] if self.context_note else []),
+            f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.max_model_len} tokens"
+            if not self.row_len or self.row_len >= self.max_model_len else
+            f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.row_len} tokens, or fewer "
+            f"longer ones ({self.kv_tokens // self.max_model_len} of up to {self.max_model_len}; a long one runs in "
+            f"fewer, longer rows and the requests behind it wait)",
         ])
 
 
@@ -120,18 +130,30 @@ def plan_memory(
     draft_label: str = "draft",
     prefix_caching: bool = False,
     cache_space: int | None = None,
+    row_len: int | None = None,
+    lower_to_fit: bool = False,
 ) -> MemoryPlan:
     """Fit weights, then as many sequences (up to `max_num_seqs`) of `max_model_len` tokens as remain room, then
     (with `prefix_caching`) as many prefix-cache blocks as the rest holds. With `cache_space` (CPU's default)
     the budget is at most the weights plus that much for the caches, or plus the K/V of `max_num_seqs`
     sequences if that is more (the space goes to the prefix cache first shrunk, never to fewer sequences).
     Example: 23.5 GiB of RAM, weights 1.5 GiB, 8 sequences of 160 MiB: budget min(21.2, 1.5 + 4) = 5.5 GiB,
-    prefix cache 2.75 GiB."""
+    prefix cache 2.75 GiB.
+
+    With `row_len` the rows are that long while short sequences run (`max_num_seqs` of them), and a longer
+    one, up to `max_model_len`, runs in fewer, longer rows of the same slots (at least one sequence of
+    `max_model_len`): the model's 32768-token context costs short requests neither their batch nor the
+    prefix cache. With `lower_to_fit` (max_model_len is the model's own, not asked for) a budget that cannot
+    hold one sequence of `max_model_len` lowers it to what it holds, and the plan says so.
+    Example: weights 1.5 GiB + 4 GiB, 28 KiB/token, max_model_len 32768, row_len 4096, 8 sequences: rows
+    32768 slots (896 MiB: 8 of 4096 or 1 of 32768), prefix cache 3.1 GiB."""
     weights = target_weights + draft_weights
-    per_seq = max_model_len * (target_kv_per_token + draft_kv_per_token)
-    note = ""
+    per_token = target_kv_per_token + draft_kv_per_token
+    row_len = min(row_len or max_model_len, max_model_len)
+    per_seq = row_len * per_token
+    note = context_note = ""
     if cache_space is not None:
-        caches = max(cache_space, max_num_seqs * per_seq)
+        caches = max(cache_space, max_num_seqs * per_seq, max_model_len * per_token)
         if weights + caches < budget:
             budget = weights + caches
             note = (f"the weights + {caches / GiB:.2f} GiB for K/V caches, the CPU default; "
@@ -142,6 +164,13 @@ def plan_memory(
             f"{draft_weights / GiB:.3f} GiB = {weights / GiB:.3f} GiB > budget {budget / GiB:.3f} GiB; raise "
             f"--memory-utilization or use a smaller model"
         )
+    if lower_to_fit and weights <= budget and (budget - weights) < max_model_len * per_token:
+        fitting = (budget - weights) // per_token // BLOCK_SIZE * BLOCK_SIZE
+        if fitting >= BLOCK_SIZE:
+            context_note = (f"lowered from the model's {max_model_len}: the memory budget holds one sequence of "
+                            f"{fitting} tokens")
+            max_model_len, row_len = fitting, min(row_len, fitting)
+            per_seq = row_len * per_token
     fits = (budget - weights) // per_seq
     if fits < 1:
         raise MemoryBudgetError(
@@ -150,8 +179,16 @@ def plan_memory(
             f"tokens ({per_seq / GiB:.3f} GiB); lower --max-model-len or raise --memory-utilization"
         )
     num_seqs = int(min(max_num_seqs, fits))
+    rows = max(num_seqs * row_len, max_model_len) * per_token
+    if rows > budget - weights:
+        raise MemoryBudgetError(
+            f"after the weights ({weights / GiB:.3f} GiB) the budget of {budget / GiB:.3f} GiB leaves "
+            f"{(budget - weights) / GiB:.3f} GiB, less than the KV cache of one sequence of {max_model_len} "
+            f"tokens ({max_model_len * per_token / GiB:.3f} GiB); lower --max-model-len or raise --memory-utilization"
+        )
     blocks = 0
     if prefix_caching:
-        blocks = (budget - weights - num_seqs * per_seq) // (BLOCK_SIZE * (target_kv_per_token + draft_kv_per_token))
+        blocks = (budget - weights - rows) // (BLOCK_SIZE * per_token)
     return MemoryPlan(budget, target_weights, draft_weights, target_kv_per_token, draft_kv_per_token,
-                      max_model_len, num_seqs, draft_label, int(blocks), budget_note=note)
+                      max_model_len, num_seqs, draft_label, int(blocks), budget_note=note,
+                      row_len=row_len if row_len < max_model_len else 0, context_note=context_note)
