@@ -54,7 +54,8 @@ def add_llm_arguments(parser: argparse.ArgumentParser, speculation: bool = True)
     model = parser.add_argument_group("model (vLLM's flags)")
     add_weight_arguments(model)
     model.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
-                       help="context length in tokens (default 4096, at most the model's)")
+                       help="context length in tokens (default: the model's own, lowered if one sequence of it "
+                            "does not fit the memory budget)")
     model.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
                        type=fraction, default=None, metavar="F",
                        help="fraction of the device memory the engine may take, in (0, 1] (vLLM's "
