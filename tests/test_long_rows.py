@@ -16,6 +16,7 @@ from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.memory import GiB, MemoryBudgetError, plan_memory
 from test_engine_tiny import MAX_LEN, make_proposer, run, target
+from test_prefix_cache import KINDS, make_engine
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
 
@@ -128,3 +129,16 @@ def test_a_budget_without_room_for_the_models_context_lowers_it_and_says_so():
     assert "lowered from the model's 32768: the memory budget holds one sequence of 18720 tokens" in plan.report()
     with pytest.raises(MemoryBudgetError, match="one sequence of 32768"):  # asked for: refused, not lowered
         plan_memory(budget=GiB + 512 * 1024 ** 2, **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_long_rows_for_every_proposer_with_prefix_hits(kind):
+    """The same mix for every proposer of the prefix-cache tests (Medusa and EAGLE, chain and tree, keep
+    their own K/V rows or none), 4 rows sharing 256 slots, prefix blocks of 8: greedy output == plain."""
+    engine = make_engine(kind, chunk=48, blocks=64, batch=4, row_tokens=MAX_LEN)
+    requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for rid, prompt, n, _ in REQUESTS]
+    finals = run(engine, requests, join_at=[at for *_, at in REQUESTS])
+    for rid, prompt, n, _ in REQUESTS:
+        assert tuple(finals[rid].token_ids) == unbatched(prompt, n), f"request {rid}"
+    assert finals["again"].metrics.cached_tokens > 0
