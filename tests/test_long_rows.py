@@ -142,3 +142,12 @@ def test_long_rows_for_every_proposer_with_prefix_hits(kind):
     for rid, prompt, n, _ in REQUESTS:
         assert tuple(finals[rid].token_ids) == unbatched(prompt, n), f"request {rid}"
     assert finals["again"].metrics.cached_tokens > 0
+
+
+def test_one_row_starts_short_and_grows_for_a_long_request():
+    """A one-sequence engine (as `LLM.engine_for` makes for `specdec bench`) with rows of 64 of 256 slots."""
+    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy"), 3, max_model_len=MAX_LEN,
+                    row_tokens=MAX_LEN, row_len=64)
+    assert (engine.cache.batch_size, engine.cache.capacity) == (1, 128)  # 64 + the widest draft, whole blocks
+    out = run(engine, [("long", LONG, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))])["long"]
+    assert engine.cache.capacity >= len(LONG) + 40 and tuple(out.token_ids) == unbatched(LONG, 40)

@@ -198,9 +198,10 @@ class LLM:
             ngram = llm.engine_for(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
         """
         proposer = build_proposer(spec, vocab_size=self.target.config.vocab_size, max_num_seqs=1,
-                                  max_model_len=self.max_model_len, draft_model=self._load_draft(spec),
-                                  heads=self._load_heads(spec), special_ids=self.tokenizer.special_ids)
-        return self._engine(spec, proposer, 1)
+                                  max_model_len=self.memory_plan.row_len or self.max_model_len,
+                                  draft_model=self._load_draft(spec), heads=self._load_heads(spec),
+                                  special_ids=self.tokenizer.special_ids)
+        return self._engine(spec, proposer, 1, row_tokens=self.max_model_len)  # a row of 4096, longer if need be
 
     def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
                 prefix_cache_blocks: int = 0, prefix_isolation: str = "shared",
@@ -219,6 +220,7 @@ class LLM:
             prefix_block_size=self.memory_plan.prefix_block_size,
             prefix_isolation=prefix_isolation,
             row_tokens=row_tokens,
+            row_len=self.memory_plan.row_len or None,
         )
 
     def _load_draft(self, spec: SpeculativeConfig | None) -> Transformer | None:

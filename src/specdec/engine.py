@@ -107,6 +107,7 @@ class Engine:
         prefix_block_size: int = BLOCK_SIZE,
         prefix_isolation: str = "shared",
         row_tokens: int | None = None,
+        row_len: int | None = None,
         controller: SpeculationController | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -115,7 +116,8 @@ class Engine:
         cached prefixes with each other) or "salt" (only salted requests use the prefix cache, each salt its
         own: how much of a prompt was cached tells nothing of another tenant's prompts); `row_tokens`: the K/V
         slots all running sequences share (default: `max_batch_size` rows of `max_model_len`; fewer: short
-        sequences run `max_batch_size` at once, a long one in fewer, longer rows, see `Scheduler`); `clock`:
+        sequences run `max_batch_size` at once, a long one in fewer, longer rows, see `Scheduler`); `row_len`: a
+        row's length while short sequences run, at most (default: `row_tokens // max_batch_size`); `clock`:
         what step parts are timed with (default: perf_counter, after a CUDA synchronize on a GPU)."""
         self.target = target
         self.vocab_size = target.config.vocab_size  # the width of its logits
@@ -133,7 +135,7 @@ class Engine:
         self.proposer.bind(self.controller)
         # rows of `row_tokens // max_batch_size` slots while short sequences run, fewer and longer for a long one
         row_tokens = max_batch_size * max_model_len if row_tokens is None else row_tokens
-        short = min(max_model_len, row_tokens // max_batch_size)
+        short = min(max_model_len, row_tokens // max_batch_size, row_len or row_tokens)
         if short < 1 or row_tokens < max_model_len:
             raise ValueError(f"row_tokens {row_tokens} cannot hold one sequence of max_model_len {max_model_len}")
         self.cache = target.new_cache(max_batch_size, short + widest)
