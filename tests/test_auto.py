@@ -128,6 +128,18 @@ def test_nothing_is_drafted_where_no_draft_can_pay():
         assert all(c[1] == c[0] for c in out.metrics.drafters.values())  # probes draft one token
 
 
+def test_a_fixed_k_draft_model_drafts_at_every_step_the_trie_does_not_win():
+    """--num-speculative-tokens K fixes K: the user asked for K drafted tokens a step. Where no trie draft is
+    worth more (here none is worth anything), the draft model drafts K at every step, paying or not."""
+    engine = auto_engine("noisy copy", 3, False, costs=RowsCostFull())
+    for prompt in PROMPTS:
+        out = generate(engine, prompt, GREEDY)
+        assert tuple(out.token_ids) == plain("fp32", prompt)
+        m = out.metrics
+        # (every pass but one where a single token was left to emit: K is bounded by what remains, less one)
+        assert m.num_drafts >= m.target_passes - 1 and set(m.drafters) == {"draft_model"}, m.to_dict()
+
+
 @pytest.mark.parametrize("second", [None, "noisy copy"])
 def test_seeded_sampling_is_reproducible(second):
     params = SamplingParams(temperature=0.8, top_k=30, max_tokens=30, ignore_eos=True, seed=7)

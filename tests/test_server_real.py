@@ -69,7 +69,7 @@ def reference(server):
     from specdec.api import LLM
     from specdec.config import SamplingParams
 
-    llm = LLM(model=TARGET)
+    llm = LLM(model=TARGET, num_speculative_tokens=0)
     cache: dict = {}
 
     def run(kind: str, what, max_tokens: int = N, tools: list[dict] | None = None, **extra):
@@ -339,13 +339,6 @@ def test_disconnect_mid_stream_frees_the_slot(url, client):
     assert after[("specdec:num_requests_running", ())] == 0
 
 
-def test_sigterm_exits_cleanly(server, url):
-    proc, _, log = server
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) in (0, -signal.SIGTERM)
-    assert "Traceback" not in log.read_text()
-
-
 def test_messages_and_responses_answer_the_chat_greedy_text(url, client, reference):
     """The same conversation through /v1/chat/completions, /v1/messages (the `anthropic` SDK) and
     /v1/responses (`client.responses`), whole and streamed: plain decoding's greedy text every time."""
@@ -394,3 +387,10 @@ def test_a_json_schema_allows_only_its_properties_by_default(client):
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
     assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
     assert r.choices[0].finish_reason == "stop" and r.model_extra["specdec"]["num_draft_tokens"] > 0
+
+
+def test_sigterm_exits_cleanly(server, url):
+    proc, _, log = server
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) in (0, -signal.SIGTERM)
+    assert "Traceback" not in log.read_text()

@@ -13,9 +13,11 @@ much context they continue, the heads by depth and how sure they are) and the me
 
 plain decoding being 1 / t_pass(1). The best candidate wins, nothing when plain decoding does; the batch's drafts
 are then cut together to the width that pays (`ByKind.width`). A draft model's tokens are not labelled: its
-value comes from the sequence's measured acceptance rate under the geometric model (Leviathan et al.), with
-K fixed or the best K up to the configured one, and it is tried again now and then after it has lost
-(`probe_interval` steps, doubling while it keeps losing), so that text on which it starts to agree is noticed.
+value comes from the sequence's measured acceptance rate under the geometric model (Leviathan et al.). With K
+fixed (`--num-speculative-tokens K`: the user asked for K drafted tokens a step) it drafts K at every step
+where the trie's draft is not worth more; adaptive, it drafts the best K up to the configured one where that
+beats both the trie and plain decoding, and is tried again now and then after it has lost (`probe_interval`
+steps, doubling while it keeps losing), so that text on which it starts to agree is noticed.
 
 Exactness is unchanged: each sequence's draft comes whole from one drafter, point masses from the trie and the
 drafter's distribution from a draft model or heads, and is verified as it would be alone.
@@ -175,9 +177,14 @@ class AutoProposer(Proposer):
         """The draft model drafts for the sequences where it is worth more than the trie's draft (and probes
         where it has been idle long enough); one batched run for all of them."""
         model_ks = []
+        plain = self._pass(1)
         for seq, k, row, d, value in zip(seqs, ks, rows, drafts, values):
             k_model, model_value = self._model_choice(row, min(k, self.k), len(seqs))
             probe = row.idle >= row.probe_every
+            if not self.adaptive:  # K fixed by the user: the draft model drafts unless the trie's draft is worth more
+                trie_wins = bool(d.tokens) and value > model_value and (plain is None or value > 1.0 / plain)
+                model_ks.append(0 if trie_wins else k_model)
+                continue
             use = k_model > 0 and (model_value > value or probe)
             if use and probe and not model_value > value:
                 row.probe_every = min(2 * row.probe_every, self.max_probe_interval)
