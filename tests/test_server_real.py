@@ -284,11 +284,12 @@ def test_errors_then_normal_answers(url, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=4, n=17)
     assert e.value.body["param"] == "n"
-    r = httpx.post(url + "/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 4})
+    # the default context is the model's own: 32768 tokens
+    r = httpx.post(url + "/v1/completions", json={"prompt": "word " * 40000, "max_tokens": 4}, timeout=120)
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] == "context_length_exceeded"
     numbers = [int(n) for n in re.findall(r"\d+", error["message"])]
-    assert 4096 in numbers and any(n > 5000 for n in numbers)  # the context, and how long the prompt was
+    assert 32768 in numbers and any(n > 40000 for n in numbers)  # the context, and how long the prompt was
     r = httpx.post(url + "/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=4, temperature=0).usage.completion_tokens == 4
