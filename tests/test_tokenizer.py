@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -171,10 +173,21 @@ def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path):
     "def f(x): # 😀 ünïcödé\n\t<tool_call>" * 20,
 ])
 def test_fewest_tokens_is_a_lower_bound(tiny, text):
-    assert tiny.longest_token_bytes == len("<|endoftext|>")
+    longest, spread = tiny._token_spans
+    assert longest == len("<|endoftext|>") and 1 <= spread <= longest
     assert 0 < tiny.fewest_tokens(text) <= len(tiny.encode(text))
-    if text.isascii():
-        assert tiny.fewest_tokens(text) == -(-len(text) // 13)
+    if text.isascii():  # never weaker than one longest token per 13 bytes
+        assert tiny.fewest_tokens(text) >= -(-len(text) // 13)
+
+
+def test_fewest_tokens_weighs_runs_and_other_bytes_apart(tiny):
+    """Bytes that repeat a neighbour weigh 1/longest, the others 1/spread (the least that keeps every token
+    of the vocabulary at weight <= 1)."""
+    longest, spread = tiny._token_spans
+    assert tiny.fewest_tokens("abcdef" * 100) == math.ceil(Fraction(600) / spread)
+    assert tiny.fewest_tokens("x" * 1300) == 100  # a run: 1300 / 13
+    assert tiny.fewest_tokens("ab" + "x" * 13) == math.ceil(2 / spread + Fraction(13, 13))
+    assert tiny.fewest_tokens("") == 0
 
 
 def test_special_token_text_in_messages_is_plain_text(tiny):
@@ -321,3 +334,19 @@ def test_fast_gguf_reader_reads_what_gguf_reads(tmp_path, arch):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(6))
     with pytest.raises(ValueError, match="ends inside its header"):
         GGUFFile(tmp_path / "bad.gguf")
+
+
+@pytest.mark.real
+def test_real_fewest_tokens_bounds_and_refuses_megabytes(real):
+    """Qwen2.5's vocabulary: the bound holds on text, code, runs (the vocabulary's own longest tokens, 128
+    spaces, 96 dashes) and every token's own text; a 3 MB prompt of prose is known to be over 32k tokens
+    without tokenizing it, while 3 MB of spaces (23,438 tokens at most 128 bytes each) is not."""
+    tok = Tokenizer.from_gguf(GGUFReader(real[0]))
+    longest, spread = tok._token_spans
+    assert longest == 128 and spread < 64
+    code = Path(__file__).read_text()
+    for text in (REAL_TEXT, code, " " * 5000, "//" + "-" * 500 + "\n", "\u2014" * 700, "\t\t\n" * 300,
+                 "".join(tok.decode([i]) for i in range(0, tok.vocab_size, 97))):
+        assert 0 < tok.fewest_tokens(text) <= len(tok.encode(text))
+    assert tok.fewest_tokens(" hello" * 500_000) > 32_768
+    assert tok.fewest_tokens(" " * 3_000_000) == 23_438
