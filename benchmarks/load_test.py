@@ -39,9 +39,10 @@ from specdec.bench.serve import run_round, spec_counters, summarize
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 MODES = {
-    "off": [],
+    "off": ["--num-speculative-tokens", "0"],  # plain decoding (no flags at all is auto speculation)
     "fixed K=5": ["--speculative-model", "qwen2.5-coder-0.5b-instruct", "--num-speculative-tokens", "5"],
     "adaptive": ["--speculative-model", "qwen2.5-coder-0.5b-instruct"],
+    "auto": [],  # serve's defaults
 }
 
 
@@ -58,10 +59,21 @@ def prompts() -> list[Prompt]:
 
 
 def start_server(serve_args: list[str], log_dir: str, model: str = MODEL) -> tuple[subprocess.Popen, str]:
-    """`specdec serve model *serve_args` on a free port, its log in `log_dir`; (process, url) once healthy."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "specdec", "serve", model, *serve_args, "--port", str(port)]
-    return launch(cmd, port, log_dir), f"http://127.0.0.1:{port}"
+    """`specdec serve model *serve_args` on a free port, its log in `log_dir`; (process, url) once healthy.
+    A port taken by another process between choosing it and binding it (Ray's workers take random ports)
+    is given up for another."""
+    for _ in range(5):
+        port = free_port()
+        cmd = [sys.executable, "-m", "specdec", "serve", model, *serve_args, "--port", str(port)]
+        try:
+            return launch(cmd, port, log_dir), f"http://127.0.0.1:{port}"
+        except PortTaken:
+            continue
+    raise RuntimeError("no free port could be bound in 5 tries")
+
+
+class PortTaken(RuntimeError):
+    pass
 
 
 def launch(cmd: list[str], port: int, log_dir: str) -> subprocess.Popen:
@@ -70,12 +82,16 @@ def launch(cmd: list[str], port: int, log_dir: str) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+        try:  # /health of this process: its /v1/models lists models (another process may hold the port)
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200 and \
+                    "data" in httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json():
                 return proc
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         if proc.poll() is not None:
+            log.flush()
+            if "address already in use" in open(log.name).read():
+                raise PortTaken(port)
             raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)} (log in {log_dir})")
         time.sleep(1)
     proc.kill()

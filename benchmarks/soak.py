@@ -2,14 +2,18 @@
 
     .venv/bin/python benchmarks/soak.py [--duration 180] [--clients 16] [--model qwen2.5-coder-0.5b-instruct]
     .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000        # a server already running
+    .venv/bin/python benchmarks/soak.py --defaults --slow-loris 64          # serve's defaults, hostile sockets
 
 It starts `specdec serve MODEL` (n-gram speculation, `--max-num-seqs 8`) unless given `--url`, computes each
 prompt's greedy reference text alone, then runs `--clients` clients for `--duration` seconds. Each client
 loops over request kinds, drawn at random (seeded): greedy chat streamed and not, whose text must equal its
 reference ("corrupted" otherwise; "lost" if no complete answer came back); seeded sampling with edge-of-range
 parameters (a valid answer expected); malformed requests (a 4xx with an OpenAI error object expected); and
-streams the client drops after a few events (the server must free them). It records the server's RSS every
-10 s. Goal: zero lost or corrupted outputs, no engine-wide failure, no 5xx, RSS flat.
+streams the client drops after a few events (the server must free them); and 3 MB `/tokenize` calls (a
+400 expected at once: the tokenize flood). Beside them, `--slow-loris N` sockets dribble a request head one
+byte every 2 s, reopened when the server closes them (its headers deadline). It records the server's RSS
+every 10 s. Goal: zero lost or corrupted outputs, no engine-wide failure, no 5xx, RSS flat and within the
+memory budget the server states at start (`--defaults`: `serve`'s own settings, auto speculation).
 
 Reports requests by kind and outcome, p50/p99 latency of the greedy requests, RSS at the start and the end;
 a table, then one JSON line. Bounded: clients start new requests for `--duration` seconds (those then in
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import random
@@ -52,7 +57,8 @@ SAMPLING = [  # valid, at the edges of their ranges
     {"temperature": 0.8, "min_p": 1, "seed": 2**64 - 1, "n": 2}, {"repetition_penalty": 0.01, "logit_bias": {"0": 100}},
     {"temperature": 1, "logprobs": True, "top_logprobs": 20, "frequency_penalty": -2},
 ]
-KINDS = {"greedy stream": 4, "greedy": 2, "sampling": 2, "invalid": 2, "disconnect": 1}
+KINDS = {"greedy stream": 4, "greedy": 2, "sampling": 2, "invalid": 2, "disconnect": 1, "tokenize flood": 1}
+FLOOD_BODY = json.dumps({"prompt": " ".join(PROMPTS * 40_000)[:3_000_000]}).encode()
 
 
 class Soak:
@@ -64,6 +70,8 @@ class Soak:
         self.examples: dict[tuple[str, str], str] = {}  # one detail per (kind, outcome) that went wrong
         self.reference: dict[str, str] = {}
         self.engine_wide = 0  # answers saying the engine failed every request in flight
+        self.refusals: list[float] = []  # seconds, tokenize-flood calls
+        self.loris = collections.Counter()  # slow-loris sockets: "opened", "closed by the server"
 
     def body(self, prompt: str, **extra) -> dict:
         return {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
@@ -112,6 +120,12 @@ class Soak:
             text, problem = await self.answer(c, self.body(prompt, stream=self.rng.random() < 0.5,
                                                            **self.rng.choice(SAMPLING)))
             self.record(kind, "ok" if text is not None else "lost", problem)
+        elif kind == "tokenize flood":
+            t0 = time.perf_counter()
+            r = await c.post(f"{self.url}/tokenize", content=FLOOD_BODY, headers={"content-type": "application/json"})
+            refused = r.status_code == 400 and r.json().get("error", {}).get("code") == "context_length_exceeded"
+            self.refusals.append(time.perf_counter() - t0)
+            self.record(kind, "refused" if refused else f"HTTP {r.status_code}", "" if refused else r.text[:200])
         elif kind == "invalid":
             path, raw = self.rng.choice(INVALID)
             r = await c.post(f"{self.url}{path}", content=raw, headers={"content-type": "application/json"})
@@ -136,7 +150,28 @@ class Soak:
                 except httpx.HTTPError as e:
                     self.record(kind, "lost", f"{type(e).__name__}: {e}")
 
-    async def run(self, clients: int, duration: float, pid: int | None) -> list[tuple[float, int]]:
+    async def slow_loris(self, deadline: float) -> None:
+        """One socket at a time that sends a request head one byte every 2 s, until the server closes it."""
+        host, port = self.url.split("//")[1].rsplit(":", 1)
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        while time.monotonic() < deadline:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            self.loris["opened"] += 1
+            try:
+                for byte in head * 100:
+                    if time.monotonic() >= deadline or reader.at_eof():
+                        break
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(2)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(reader.read(65536), 0.01)
+            except (ConnectionError, OSError):
+                pass
+            self.loris["closed by the server"] += reader.at_eof()
+            writer.close()
+
+    async def run(self, clients: int, duration: float, pid: int | None, slow_loris: int = 0) -> list[tuple[float, int]]:
         """The load, with (seconds, RSS bytes) every 10 s while it lasts (empty without a server pid)."""
         async with httpx.AsyncClient(timeout=self.timeout) as c:
             for prompt in PROMPTS:  # alone: the references
@@ -153,7 +188,8 @@ class Soak:
                 await asyncio.sleep(10)
 
         sampler = asyncio.ensure_future(sample_rss())
-        await asyncio.gather(*(self.client(t0 + duration) for _ in range(clients)))
+        loris = [asyncio.ensure_future(self.slow_loris(t0 + duration)) for _ in range(slow_loris)]
+        await asyncio.gather(*(self.client(t0 + duration) for _ in range(clients)), *loris)
         sampler.cancel()
         if pid is not None:
             rss.append((round(time.monotonic() - t0, 1), rss_bytes(pid)))
@@ -169,16 +205,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per request")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slow-loris", type=int, default=0, help="sockets dribbling request heads beside the load")
+    ap.add_argument("--defaults", action="store_true",
+                    help="start the server with serve's defaults (auto speculation, the model's context, "
+                         "--max-num-seqs 8) instead of n-gram speculation at --max-model-len 1024")
     args = ap.parse_args()
     proc, url = None, args.url
     if url is None:
         log_dir = tempfile.mkdtemp(prefix="specdec-soak-")
         print(f"server log in {log_dir}", flush=True)
-        proc, url = start_server(["--max-num-seqs", "8", "--max-model-len", "1024", "--speculative-config",
-                                  '{"method": "ngram", "num_speculative_tokens": 3}'], log_dir, model=args.model)
+        serve_args = ["--max-num-seqs", "8"] + ([] if args.defaults else [
+            "--max-model-len", "1024", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+        proc, url = start_server(serve_args, log_dir, model=args.model)
     soak = Soak(url, args.model, args.max_tokens, args.timeout, args.seed)
     try:
-        rss = asyncio.run(soak.run(args.clients, args.duration, proc.pid if proc else None))
+        rss = asyncio.run(soak.run(args.clients, args.duration, proc.pid if proc else None, args.slow_loris))
         health = httpx.get(f"{url}/health", timeout=10).status_code
     finally:
         if proc is not None:
@@ -202,12 +243,18 @@ def main() -> None:
           f"lost {lost}, corrupted {corrupted}, 5xx {server_errors}; greedy latency p50 {p(0.5)} s, p99 {p(0.99)} s; "
           f"engine-wide failures {soak.engine_wide}; RSS MiB {mib[0] if mib else '-'} -> {mib[-1] if mib else '-'}; "
           f"/health {health}")
+    refusals = sorted(soak.refusals)
+    print(f"tokenize flood: {len(refusals)} calls, refused in {refusals[len(refusals) // 2]:.3f} s median, "
+          f"{refusals[-1]:.3f} s max" if refusals else "tokenize flood: none")
+    print(f"slow loris: {dict(soak.loris)}")
     print(json.dumps({"benchmark": "soak", "model": args.model, "duration_s": args.duration, "clients": args.clients,
                       "max_tokens": args.max_tokens, "requests": sum(soak.outcomes.values()), "by_kind": by_kind,
                       "lost": lost, "corrupted": corrupted, "server_errors": server_errors,
                       "engine_wide_failures": soak.engine_wide, "latency_p50_s": p(0.5), "latency_p99_s": p(0.99),
                       "latency_mean_s": round(statistics.fmean(lat), 2) if lat else None,
-                      "rss_mib": mib, "health_after": health}))
+                      "rss_mib": mib, "health_after": health, "slow_loris": dict(soak.loris),
+                      "tokenize_refusal_s": {"median": round(refusals[len(refusals) // 2], 3),
+                                             "max": round(refusals[-1], 3)} if refusals else None}))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ OpenAI's Codex CLI (`codex exec`, the Responses API), one-shot prompts.
 Two layers. Over a fake engine that answers a tool call, then the tool's result (fast, `not real`): each
 agent's request is accepted, its tool runs on this machine, and the result comes back to the model and into
 the agent's final answer: the whole agent loop through the translation layers. On the real default model
-(`real`): a one-shot prompt is answered, `specdec serve --max-model-len 32768 --max-num-seqs 2` (Claude Code's
-prompt is 21k tokens: more than the default context; on 2 CPU cores its prefill takes many minutes, so the
+(`real`): a one-shot prompt is answered by `specdec serve` with its defaults (Claude Code's prompt is 21k
+tokens, within the default context, the model's 32768; on 2 CPU cores its prefill takes many minutes, so the
 test raises Claude Code's stream idle timeout).
 
 The real-model one-shots run only with SPECDEC_AGENT_TESTS=1 (Codex took 263 s, Claude Code 1354 s here: too
@@ -120,9 +120,8 @@ def real_server(tmp_path_factory):
         pytest.skip("the agents' one-shots on the real model take 5-25 minutes on 2 cores: SPECDEC_AGENT_TESTS=1 runs them")
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # 2 sequences of up to 32768 tokens leave the CPU's KV budget room for a prefix cache (8 would take it all)
-    command = [sys.executable, "-m", "specdec", "serve", "--max-model-len", "32768", "--max-num-seqs", "2",
-               "--port", str(port)]
+    # serve's defaults, as a user types it (the model's own context, 32768 tokens; auto speculation)
+    command = [sys.executable, "-m", "specdec", "serve", "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -31,7 +31,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds requests in flight get to finish afte
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None, metavar="TARGET",
                         help="target model: a known name, a model folder or a .gguf file "
-                             "(default: qwen2.5-coder-1.5b-instruct drafted by qwen2.5-coder-0.5b-instruct)")
+                             "(default: qwen2.5-coder-1.5b-instruct, with auto speculation: suffix drafts and the "
+                             "Medusa heads shipped for it)")
     parser.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
                         help="sequences decoded together in one batch (default 8; fewer if the memory "
                              "budget does not fit their KV cache)")
