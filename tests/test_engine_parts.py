@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fakes import FakeTokenizer, letter
-from specdec.cache import KEY_BLOCK, KVCache
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
-from specdec.output_text import OutputText
-from specdec.scheduler import Scheduler
+from specdec.engine.output_text import OutputText
+from specdec.engine.scheduler import Scheduler
+from specdec.models.kv_cache import KEY_BLOCK, KVCache
 from specdec.speculative.build import build_proposer, tree_of
 from specdec.speculative.controller import AcceptanceEstimate, SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, NgramProposer, NullProposer, Proposer

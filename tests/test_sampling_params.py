@@ -22,10 +22,11 @@ from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, noisy_copy, one_intra_op_thread
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.fan_out import fan_out, pick_best
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.tokenizer import Tokenizer
+from specdec.sampling import process_logits, process_rows
 from specdec.speculative.proposers import DraftModelProposer
-from specdec.sampling import fan_out, pick_best, process_logits, process_rows
 from test_engine_tiny import MAX_LEN, PROMPTS, STOP_PROMPT, continuation, oracle, run, target  # noqa: F401
 from test_engine_tiny import make_proposer
 from test_sampling_distribution import assert_follows
@@ -121,8 +122,8 @@ def test_penalties_count_the_drafted_tokens_before_each_position(continuation):
 
 
 def test_each_row_of_a_pass_sees_the_drafted_tokens_on_its_own_path():
+    from specdec.engine.verification import drafted_paths
     from specdec.speculative.proposers import Draft
-    from specdec.verification import drafted_paths
 
     assert drafted_paths(Draft([5, 7])) == [[], [5], [5, 7]]
     # a tree: nodes 0 and 1 are the root's children, node 2 is node 0's child, node 3 node 2's
@@ -255,7 +256,7 @@ def sampled_pairs(broken: bool = False) -> torch.Tensor:
     """[RUNS, 2] the first two tokens of RUNS seeded requests through the engine, the target drafting for
     itself without the penalties and bias (so its drafts are often but not always accepted), K = 2: the
     second token comes from position 1 of a pass whenever the first was an accepted drafted token."""
-    import specdec.verification as engine_module
+    import specdec.engine.verification as engine_module
 
     original = engine_module.process_rows
     if broken:  # a sampler that forgets the drafted tokens before each position

@@ -29,10 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specdec.cache import KVCache
 from specdec.config import ModelConfig
-from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
 from specdec.kernels.qgemm import quantize_q8_0
+from specdec.models.kv_cache import KVCache
+from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
 from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear
 from specdec.models.quant import Int8Linear
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.cache import KEY_BLOCK, KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import qgemm
+from specdec.models.kv_cache import KEY_BLOCK, KVCache
 from specdec.models.qlinear import QuantLinear
 
 

@@ -15,7 +15,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from specdec.cache import KVCache
+from specdec.models.kv_cache import KVCache
 from specdec.sampling import process_logits, sample
 from specdec.speculative.acceptance import Verdict
 from specdec.speculative.tree import depths

@@ -1,10 +1,10 @@
 """The engine: prefill, then propose -> verify -> accept -> commit -> observe, for a batch of sequences.
 
 It works on token ids; the tokenizer is used only for stop strings and streamed text. Who runs in which
-cache row is the scheduler's (`specdec.scheduler`: rows 0..B-1 packed, one sequence joining at a time
+cache row is the scheduler's (`specdec.engine.scheduler`: rows 0..B-1 packed, one sequence joining at a time
 through chunked prefill, `prefill_chunk` prompt tokens per step at most); how many tokens to draft is the
 controller's (`SpeculationController`); what a sequence's text is and where it stops is its
-`OutputText`'s; judging one sequence's rows is `specdec.verification`'s. The engine runs the step:
+`OutputText`'s; judging one sequence's rows is `specdec.engine.verification`'s. The engine runs the step:
 
     ks = controller.choose(...)                 # K for each running sequence
     proposal = proposer.propose(running, ks)    # drafts
@@ -26,7 +26,7 @@ empty one. Only the shared target pass and the proposer, where no one sequence c
 whole step.
 
 With a prefix cache (`prefix_cache_blocks` > 0), a joining sequence first copies the longest cached prefix of
-its prompt into its row (the target's K/V and the draft's; see `specdec.prefix_cache`) and prefills only the
+its prompt into its row (the target's K/V and the draft's; see `specdec.engine.prefix_cache`) and prefills only the
 rest; a sequence's whole blocks are saved when its prompt is in and again when it leaves.
 """
 
@@ -39,21 +39,21 @@ from typing import Any, Callable
 
 import torch
 
-from specdec import verification
 from specdec.config import SamplingParams
-from specdec.metrics import SpecMetrics
+from specdec.engine import verification
+from specdec.engine.metrics import SpecMetrics
+from specdec.engine.output_text import OutputText
+from specdec.engine.outputs import RequestOutput, TokenLogprob
+from specdec.engine.prefix_cache import BLOCK_SIZE, PrefixCache
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.structured import Grammar, GrammarMatcher
+from specdec.engine.verification import token_logprobs
 from specdec.models.tokenizer import Tokenizer
-from specdec.output_text import OutputText
-from specdec.outputs import RequestOutput, TokenLogprob
-from specdec.prefix_cache import BLOCK_SIZE, PrefixCache
 from specdec.sampling import make_generator
-from specdec.scheduler import Scheduler
 from specdec.speculative.acceptance import Verdict
 from specdec.speculative.controller import AcceptanceEstimate, SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, NullProposer, Proposer
 from specdec.speculative.tree import ancestor_mask, depths
-from specdec.structured import Grammar, GrammarMatcher
-from specdec.verification import token_logprobs
 
 logger = logging.getLogger(__name__)
 
