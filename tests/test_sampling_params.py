@@ -22,7 +22,7 @@ from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, noisy_copy, one_intra_op_thread
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.fan_out import fan_out, pick_best
+from specdec.fan_out import fan_out, pick_best, sub_requests
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import process_logits, process_rows
@@ -244,6 +244,15 @@ def test_n_sequences_are_seeded_apart_and_best_of_keeps_the_likeliest():
     ranked = sorted(outs, key=lambda o: -o.cumulative_logprob)
     assert [b.token_ids for b in best] == [r.token_ids for r in ranked[:2]] and [b.index for b in best] == [0, 1]
 
+
+
+def test_sub_requests_plan_each_prompts_sequences_for_the_api_and_the_server():
+    """One plan for LLM and the server: best_of sequences per prompt, seeded apart, named by (prompt, sequence)."""
+    plan = sub_requests([[1, 2], [3]], SamplingParams(seed=5, n=2, best_of=3), lambda i, j: f"r-{i}-{j}")
+    assert [[(s.prompt_index, s.request_id, s.prompt_ids, s.params.seed) for s in group] for group in plan] == [
+        [(0, "r-0-0", [1, 2], 5), (0, "r-0-1", [1, 2], 6), (0, "r-0-2", [1, 2], 7)],
+        [(1, "r-1-0", [3], 5), (1, "r-1-1", [3], 6), (1, "r-1-2", [3], 7)]]
+    assert [len(group) for group in sub_requests([[1]], SamplingParams(n=4), lambda i, j: f"{j}")] == [4]
 
 # ------------------------------------------------------------------------------------------------ distribution
 SAMPLED = SamplingParams(temperature=0.7, min_p=0.05, frequency_penalty=2.0, presence_penalty=0.5,
