@@ -110,8 +110,7 @@ class Engine:
         self._failed: list[Sequence] = []  # failed in this step (`_isolated`), reported at its end
         self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size) if prefix_cache_blocks > 0 \
             else None
-        self.prefill = Prefill(target, self.cache, self.proposer, controller, self._now, self.prefix_cache,
-                               prefix_isolation)
+        self.prefill = Prefill(self.cache, self.proposer, controller, self._now, self.prefix_cache, prefix_isolation)
 
     def _new_cache(self, max_batch_size: int, row_tokens: int | None, row_len: int | None, widest: int):
         """The target's cache, rows of `row_tokens // max_batch_size` slots (+ `widest`) while short sequences
@@ -256,7 +255,7 @@ class Engine:
             if started and prefill.caches_prefix(seq) and self._isolated(seq, prefill.restore, seq, batch) is None:
                 self._release(seq)
                 continue
-            fed = self._isolated(seq, prefill.feed, seq, budget, batch)
+            fed = self._isolated(seq, prefill.feed, self.target, seq, budget, batch)
             if fed is None:
                 self._release(seq)
                 continue

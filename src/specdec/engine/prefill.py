@@ -22,25 +22,25 @@ from specdec.speculative.proposers import Joining, PromptChunk, Proposer
 class Prefill:
     """Feeds prompts into the target's cache rows (and the proposer's), through the prefix cache if any."""
 
-    def __init__(self, target, cache: KVCache, proposer: Proposer, controller: SpeculationController,
+    def __init__(self, cache: KVCache, proposer: Proposer, controller: SpeculationController,
                  clock: Callable[[], float], prefix_cache: PrefixCache | None, isolation: str) -> None:
         if isolation not in ("shared", "salt"):
             raise ValueError(f'prefix_isolation must be "shared" or "salt", got {isolation!r}')
-        self.target, self.cache, self.proposer, self.controller = target, cache, proposer, controller
+        self.cache, self.proposer, self.controller = cache, proposer, controller
         self.clock = clock
         self.prefix_cache, self.isolation = prefix_cache, isolation
 
-    def feed(self, seq, budget: int, batch: Joining) -> int:
-        """Feed the next at most `budget` prompt tokens of `seq` (in its own row); returns how many."""
+    def feed(self, target, seq, budget: int, batch: Joining) -> int:
+        """Feed the next at most `budget` prompt tokens of `seq` to `target` (in its own row); returns how many."""
         start = self.cache.lengths[seq.row]
         stop = min(len(seq.prompt_ids) - 1, start + budget)
         if stop <= start:
             return 0
         t0 = self.clock()
-        device = self.target.device
+        device = target.device
         chunk = torch.tensor([seq.prompt_ids[start:stop]], device=device)
         wants = seq.prompt_logprobs is not None
-        logits, hidden = self.target(chunk, torch.arange(start, stop, device=device)[None],
+        logits, hidden = target(chunk, torch.arange(start, stop, device=device)[None],
                                      self.cache.row_view(seq.row), num_logits=stop - start if wants else 1,
                                      return_hidden=True)
         if wants:  # position i scores prompt token i + 1, under the model's raw distribution
