@@ -1,4 +1,4 @@
-"""Benchmark structured output (specdec.structured, llguidance) on a model's tokenizer: what a grammar
+"""Benchmark structured output (specdec.engine.structured, llguidance) on a model's tokenizer: what a grammar
 costs to compile and what a mask costs per decoded or verified position.
 
     python benchmarks/bench_structured.py [--model qwen2.5-coder-0.5b-instruct] [--k 4]
@@ -15,11 +15,11 @@ import json
 import statistics
 import time
 
+from specdec.engine.structured import Grammar
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.loading import load_config
 from specdec.models.store import resolve_model
 from specdec.models.tokenizer import Tokenizer
-from specdec.structured import Grammar
 
 SCHEMA = {
     "type": "object",

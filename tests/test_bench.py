@@ -18,7 +18,7 @@ from specdec.bench.report import render
 from specdec.bench.serve import load_test, write_serve_report
 from specdec.cli import main
 from specdec.config import SpeculativeConfig
-from specdec.metrics import SpecMetrics
+from specdec.engine.metrics import SpecMetrics
 from test_cli import tiny_gguf  # noqa: F401 (a fixture)
 from test_server_unit import FakeEngine, LiveServer
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from fakes import FakeTokenizer, letter
-from specdec.cache import KEY_BLOCK, KVCache
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
-from specdec.output_text import OutputText
-from specdec.scheduler import Scheduler
+from specdec.engine.output_text import OutputText
+from specdec.engine.scheduler import Scheduler
+from specdec.models.kv_cache import KEY_BLOCK, KVCache
+from specdec.speculative.auto import AutoProposer
 from specdec.speculative.build import build_proposer, tree_of
 from specdec.speculative.controller import AcceptanceEstimate, SpeculationController, StepReport
-from specdec.speculative.proposers import Draft, NgramProposer, NullProposer, Proposer
+from specdec.speculative.proposers import Draft, NgramProposer, NullProposer, Proposer, SuffixProposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 
 
@@ -175,7 +176,10 @@ def test_the_null_proposer_never_drafts_and_the_interface_has_defaults():
     assert proposal.drafts == [Draft([]), Draft([])] and proposal.forward_seconds is None and null.max_width(5) == 0
     base = Proposer()
     assert base.prefill(None, 0, 4) == 0 and base.cached_tokens(None) == 0 and base.memory_bytes == 0
-    assert base.max_width(4) == 4 and not base.needs_hidden and not base.reads_prompt and base.cache is None
+    assert base.max_width(4) == 4 and base.cache is None and base.kv_caches == {}
+    assert base.read_prompt(None) is None and base.observe([], [], [], []) is None  # hidden states: ignored
+    assert base.usable_prefix(None, ["block"] * 3) == 3 and base.restore_prefix(None, None, ["block"], 16, None) == 16
+    assert base.save_prefix(None, None, [b"key"]) is None  # no K/V of its own: nothing to save
 
 
 def test_tree_masks_and_depths_are_built_once_per_shape():
@@ -190,3 +194,25 @@ def test_cache_capacities_are_whole_key_blocks():
     assert cache().capacity == KEY_BLOCK
     with pytest.raises(ValueError):
         cache().truncate(0, 1)
+
+
+def test_one_clock_times_the_controller_and_the_proposers():
+    """The engine's clock is the controller's, and through `bind` the proposer's, an auto proposer's second
+    drafter's too: a clock that ticks once per reading makes a 3-token proposal's forward 1/3 of a tick."""
+    ticks = iter(range(10_000))
+    clock = lambda: float(next(ticks))  # noqa: E731
+    scripted = NgramProposer(max_n=1)
+    controller = SpeculationController.for_proposer(scripted, 3, clock=clock)
+    assert controller.clock is clock and scripted.controller is controller and scripted.clock() == 0.0
+
+    @dataclass
+    class Seq:
+        tokens: list[int]
+
+    proposal = scripted.propose([Seq([5, 6, 7, 5, 6, 7, 5])], [3])
+    assert proposal.drafts[0].tokens == [6, 7, 5] and proposal.forward_seconds == pytest.approx(1 / 3)
+    second = NgramProposer()
+    auto = AutoProposer(SuffixProposer(None), second)
+    SpeculationController.for_proposer(auto, 3, clock=clock)
+    assert second.controller is auto.controller and second.controller.clock is clock
+    assert SpeculationController.for_proposer(NullProposer(), 3).k_max == 0  # a proposer that never drafts: no K

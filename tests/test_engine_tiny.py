@@ -14,14 +14,14 @@ import torch
 
 from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, varied_model
-from specdec import verification
 from specdec.config import SamplingParams
+from specdec.engine import verification
 from specdec.engine import Engine
+from specdec.engine.stop_strings import StopStrings
 from specdec.server.async_engine import AsyncEngine, RequestFailedError
 from specdec.speculative.controller import CostModel
-from specdec.testing.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer, draft_vocabulary
-from specdec.stop_strings import StopStrings
+from specdec.testing.degraded import PermutedLogitsModel
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
 

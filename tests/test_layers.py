@@ -1,11 +1,11 @@
 """The layers of specdec, read from its sources with ast: every `import` counts, also those inside functions
 (a lazy import is still a dependency), except under `if TYPE_CHECKING:` (no dependency at run time).
 
-A unit is a subpackage (`specdec.models`, `specdec.heads`, ...) or a module directly under `specdec`
-(`specdec.engine`, `specdec.api`, ...). Bottom to top, roughly: config, cache, kernels -> models -> heads ->
-speculative -> the engine's parts (scheduler, output_text, verification, prefix_cache) -> engine -> api ->
-llm_args -> server, bench, training -> cli; testing (helpers of the tests and benchmarks) is imported by none
-of them.
+A unit is a subpackage (`specdec.models`, `specdec.engine`, ...) or a module directly under `specdec`
+(`specdec.api`, ...). Bottom to top, roughly: config, sampling, kernels -> models (with their K/V cache) ->
+heads -> speculative -> engine (the package of the engine's parts: scheduler, verification, output text, stops,
+prefix cache, memory plan) -> fan_out (n / best_of) -> api -> llm_args -> server, bench, training -> cli;
+testing (helpers of the tests and benchmarks) is imported by none of them.
 """
 
 from __future__ import annotations
@@ -20,15 +20,19 @@ import specdec
 
 ROOT = Path(specdec.__file__).parent
 
+ABOVE_ENGINE = {"fan_out", "api", "server", "bench", "training", "cli", "llm_args"}
 # unit -> the units it must never import
 FORBIDDEN = {
-    "models": {"speculative", "heads", "engine", "api", "server", "bench", "training", "cli", "llm_args"},
-    "heads": {"speculative", "engine", "api", "server", "bench", "training", "cli", "llm_args"},
-    "engine": {"api", "server", "bench", "training", "cli", "llm_args"},
-    # the engine's parts, below it
-    **{part: {"engine", "api", "server", "bench", "training", "cli", "llm_args"}
-       for part in ("speculative", "scheduler", "output_text", "verification", "prefix_cache")},
+    "config": {"sampling", "models", "heads", "speculative", "engine", *ABOVE_ENGINE},
+    "sampling": {"models", "heads", "speculative", "engine", *ABOVE_ENGINE},
+    "models": {"speculative", "heads", "engine", *ABOVE_ENGINE},
+    "heads": {"speculative", "engine", *ABOVE_ENGINE},
+    "speculative": {"engine", *ABOVE_ENGINE},
+    "engine": ABOVE_ENGINE,  # the engine's parts included: nothing in specdec/engine imports upward
+    "fan_out": ABOVE_ENGINE - {"fan_out"},
 }
+# the modules directly under specdec: the entry points and the few primitives under everything
+ROOT_MODULES = {"__init__", "__main__", "config", "sampling", "fan_out", "api", "llm_args", "cli"}
 
 
 def module_name(path: Path) -> str:
@@ -64,7 +68,7 @@ def imported_modules(path: Path) -> set[str]:
             if node.level:  # relative: from .x import y
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 found.add(".".join(base + ([node.module] if node.module else [])))
-            else:  # `from specdec import verification` imports the module specdec.verification
+            else:  # `from specdec.engine import verification` imports the module specdec.engine.verification
                 submodules = [f"{node.module}.{alias.name}" for alias in node.names]
                 found.update(m for m in submodules if is_module(m))
                 if not all(map(is_module, submodules)):
@@ -93,13 +97,21 @@ def offending_imports(source: str, forbidden: set[str]) -> list[str]:
 
 def test_the_walk_sees_the_package():
     graph = unit_graph()
-    assert {"models", "heads", "speculative", "engine", "api", "server", "cli", "training"} <= set(graph)
+    assert {"models", "heads", "speculative", "engine", "fan_out", "api", "server", "cli", "training"} <= set(graph)
+    assert {"engine", "fan_out"} <= graph["api"] and "fan_out" in graph["server"]
     assert "speculative" in graph["engine"] and "engine" in graph["training"]  # imports inside functions count too
 
 
 @pytest.mark.parametrize("source", sorted(FORBIDDEN))
 def test_lower_layers_never_import_higher_ones(source):
     assert offending_imports(source, FORBIDDEN[source]) == []
+
+
+def test_the_engine_parts_live_in_the_engine_package():
+    """No engine part lies loose next to the API and the CLI: the folder listing shows where the engine ends."""
+    assert {path.stem for path in ROOT.glob("*.py")} == ROOT_MODULES
+    assert {"engine", "scheduler", "verification", "output_text", "stop_strings", "prefix_cache", "memory",
+            "structured", "outputs", "metrics"} <= {path.stem for path in (ROOT / "engine").glob("*.py")}
 
 
 def test_the_runtime_never_imports_the_testing_helpers():

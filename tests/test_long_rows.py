@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fakes import FakeTokenizer, one_intra_op_thread
-from specdec.cache import KVCache
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.memory import GiB, MemoryBudgetError, plan_memory
+from specdec.engine.memory import GiB, MemoryBudgetError, plan_memory
+from specdec.models.kv_cache import KVCache
 from test_engine_tiny import MAX_LEN, make_proposer, run, target
 from test_prefix_cache import KINDS, make_engine
 

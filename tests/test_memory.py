@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.memory import GiB, MemoryBudgetError, default_budget, plan_memory
+from specdec.engine.memory import GiB, MemoryBudgetError, default_budget, plan_memory
 from test_tokenizer import write_tiny_gguf
 
 

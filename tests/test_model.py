@@ -216,3 +216,18 @@ def test_a_query_attends_as_decoding_it_alone_whatever_the_pass_at_long_contexts
                 alone = attn._exact_attention(q[b:b + 1, t:t + 1], keys[b:b + 1, :, :s], values[b:b + 1, :, :s],
                                               visible(n + t, 1, s)[None])
                 assert torch.equal(out[b, t], alone[0, 0]), (T, b, t)
+
+
+def test_meta_skeleton_patches_nothing_process_wide():
+    """Modules built inside it are on the meta device, their initializers skipped for that block only:
+    torch.nn.init is the same before, inside and after, and a module built outside is initialized."""
+    from torch import nn
+
+    from specdec.models.llama import meta_skeleton
+
+    init = nn.init.kaiming_uniform_
+    with meta_skeleton():
+        assert nn.init.kaiming_uniform_ is init
+        skeleton = nn.Linear(8, 8)
+    assert skeleton.weight.is_meta and nn.init.kaiming_uniform_ is init
+    assert nn.Linear(8, 8).weight.abs().sum() > 0

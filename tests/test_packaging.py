@@ -15,22 +15,31 @@ PYPROJECT = ROOT.parent.parent / "pyproject.toml"
 
 
 def read_at_run_time() -> list[PurePosixPath]:
-    """The prompt sets (bench, training), the kernels' sources (compiled on first use), the shipped heads."""
-    files = [p for p in (ROOT / "data").rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")]
+    """The prompt sets (bench, training), the shipped heads (data/heads), the kernels' sources (compiled on first use)."""
+    files = [p for p in (ROOT / "data").rglob("*")  # (a .gitignore is the repository's, not read at run time)
+             if p.is_file() and p.suffix not in (".py", ".pyc") and not p.name.startswith(".")]
     files += list((ROOT / "kernels").glob("*.cpp"))
-    files += [p for name in ("config.json", "model.safetensors")
-              for p in (ROOT / "heads" / "pretrained").glob(f"*/{name}")]
     return sorted(PurePosixPath(p.relative_to(ROOT).as_posix()) for p in files)
 
 
 def test_the_files_read_at_run_time_are_package_data():
     globs = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-data"]["specdec"]
     files = read_at_run_time()
-    assert {"data/humaneval/HumanEval.jsonl.gz", "data/spec_bench/question.jsonl", "kernels/qgemm.cpp"} \
-        <= set(map(str, files))
+    assert {"data/humaneval/HumanEval.jsonl.gz", "data/spec_bench/question.jsonl", "kernels/qgemm.cpp",
+            "data/heads/qwen2.5-coder-1.5b-instruct-medusa/model.safetensors"} <= set(map(str, files))
     missing = [str(f) for f in files
                if not any(len(f.parts) == len(PurePosixPath(g).parts) and f.match(g) for g in globs)]
     assert missing == []
+
+
+def test_weights_ship_as_data_outside_the_code_folders():
+    """The shipped heads' weights lie in specdec/data, not beside the modules; the heads module finds them there."""
+    from specdec.heads.modules import PRETRAINED, resolve_heads
+
+    weights = sorted(p.relative_to(ROOT).parts[0] for p in ROOT.rglob("*.safetensors"))
+    assert weights and set(weights) == {"data"}
+    assert PRETRAINED == DATA_DIR / "heads"
+    assert resolve_heads("qwen2.5-coder-1.5b-instruct-medusa") == PRETRAINED / "qwen2.5-coder-1.5b-instruct-medusa"
 
 
 def test_training_finds_its_prompts_inside_the_package():

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from fakes import FakeTokenizer, one_intra_op_thread
-from specdec.cache import KVCache
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.engine.memory import GiB, plan_memory
+from specdec.engine.prefix_cache import PrefixCache, block_keys
 from specdec.heads.modules import HEAD_CLASSES, HeadsConfig
-from specdec.memory import GiB, plan_memory
-from specdec.prefix_cache import PrefixCache, block_keys
+from specdec.models.kv_cache import KVCache
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.proposers import DraftModelProposer, NgramProposer
 from test_engine_tiny import MAX_LEN, draft, run, target, widths_fed

@@ -22,10 +22,11 @@ from conftest import tiny_model
 from fakes import FakeTokenizer, ScriptedProposer, noisy_copy, one_intra_op_thread
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.fan_out import fan_out, pick_best, sub_requests
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.tokenizer import Tokenizer
+from specdec.sampling import process_logits, process_rows
 from specdec.speculative.proposers import DraftModelProposer
-from specdec.sampling import fan_out, pick_best, process_logits, process_rows
 from test_engine_tiny import MAX_LEN, PROMPTS, STOP_PROMPT, continuation, oracle, run, target  # noqa: F401
 from test_engine_tiny import make_proposer
 from test_sampling_distribution import assert_follows
@@ -121,8 +122,8 @@ def test_penalties_count_the_drafted_tokens_before_each_position(continuation):
 
 
 def test_each_row_of_a_pass_sees_the_drafted_tokens_on_its_own_path():
+    from specdec.engine.verification import drafted_paths
     from specdec.speculative.proposers import Draft
-    from specdec.verification import drafted_paths
 
     assert drafted_paths(Draft([5, 7])) == [[], [5], [5, 7]]
     # a tree: nodes 0 and 1 are the root's children, node 2 is node 0's child, node 3 node 2's
@@ -244,6 +245,15 @@ def test_n_sequences_are_seeded_apart_and_best_of_keeps_the_likeliest():
     assert [b.token_ids for b in best] == [r.token_ids for r in ranked[:2]] and [b.index for b in best] == [0, 1]
 
 
+
+def test_sub_requests_plan_each_prompts_sequences_for_the_api_and_the_server():
+    """One plan for LLM and the server: best_of sequences per prompt, seeded apart, named by (prompt, sequence)."""
+    plan = sub_requests([[1, 2], [3]], SamplingParams(seed=5, n=2, best_of=3), lambda i, j: f"r-{i}-{j}")
+    assert [[(s.prompt_index, s.request_id, s.prompt_ids, s.params.seed) for s in group] for group in plan] == [
+        [(0, "r-0-0", [1, 2], 5), (0, "r-0-1", [1, 2], 6), (0, "r-0-2", [1, 2], 7)],
+        [(1, "r-1-0", [3], 5), (1, "r-1-1", [3], 6), (1, "r-1-2", [3], 7)]]
+    assert [len(group) for group in sub_requests([[1]], SamplingParams(n=4), lambda i, j: f"{j}")] == [4]
+
 # ------------------------------------------------------------------------------------------------ distribution
 SAMPLED = SamplingParams(temperature=0.7, min_p=0.05, frequency_penalty=2.0, presence_penalty=0.5,
                          repetition_penalty=1.2, logit_bias={3: 1.5, 40: 2.0}, max_tokens=3, ignore_eos=True)
@@ -255,7 +265,7 @@ def sampled_pairs(broken: bool = False) -> torch.Tensor:
     """[RUNS, 2] the first two tokens of RUNS seeded requests through the engine, the target drafting for
     itself without the penalties and bias (so its drafts are often but not always accepted), K = 2: the
     second token comes from position 1 of a pass whenever the first was an accepted drafted token."""
-    import specdec.verification as engine_module
+    import specdec.engine.verification as engine_module
 
     original = engine_module.process_rows
     if broken:  # a sampler that forgets the drafted tokens before each position

@@ -32,9 +32,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.config import SamplingParams
-from specdec.metrics import SpecMetrics
-from specdec.output_text import OutputText
-from specdec.outputs import RequestOutput
+from specdec.engine.metrics import SpecMetrics
+from specdec.engine.output_text import OutputText
+from specdec.engine.outputs import RequestOutput
 from specdec.server.app import build_app
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specdec.server.cli import add_serve_arguments

@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_tokenizer import write_tiny_gguf
 
+from specdec.engine.structured import Grammar
 from specdec.models import store
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.tokenizer import Tokenizer
-from specdec.structured import Grammar
 
 A = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 RECORD = {
@@ -110,7 +110,7 @@ def test_schemas_are_strict_unless_they_or_the_request_say_otherwise(tiny):
 
 
 def test_closed_objects_leaves_all_of_members_open_and_the_input_unchanged():
-    from specdec.structured import closed_objects
+    from specdec.engine.structured import closed_objects
 
     schema = {"allOf": [A, {"properties": {"b": {"type": "object", "properties": {}}}}], "$defs": {"d": A}}
     closed = closed_objects(schema)

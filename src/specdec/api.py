@@ -21,19 +21,19 @@ from typing import Any
 import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.cache import KVCache
 from specdec.engine import Engine
+from specdec.engine.memory import default_budget, device_memory, plan_memory
+from specdec.engine.outputs import RequestOutput
+from specdec.fan_out import pick_best, sub_requests
 from specdec.heads.modules import head_bytes, is_heads_folder, load_heads, resolve_heads, shipped_heads
-from specdec.memory import default_budget, device_memory, plan_memory
+from specdec.models.kv_cache import KVCache
 from specdec.models.llama import Transformer
 from specdec.models.loading import load_checkpoint, load_quantized, resolve_dtype
 from specdec.models.quant import BLOCK_FORMATS, quantize_linears, resolve_quantization
 from specdec.models.store import resolve_model
 from specdec.models.tokenizer import Tokenizer
-from specdec.outputs import RequestOutput
-from specdec.sampling import fan_out, pick_best
-from specdec.speculative.compat import check_draft_compatible
 from specdec.speculative.build import build_proposer
+from specdec.speculative.compat import check_draft_compatible
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -275,22 +275,18 @@ class LLM:
     def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         """One finished output per prompt; with n > 1 (or best_of) its `outputs` holds the n completions
         (`pick_best`) and the output itself is the first of them."""
-        requests = []
-        for ids in prompt_ids:
-            request_ids = []
-            for seq_params in fan_out(params):
-                request_ids.append(f"req-{next(self._ids)}")
-                self.engine.add_request(request_ids[-1], ids, seq_params)
-            requests.append(request_ids)
+        plan = sub_requests(prompt_ids, params, lambda i, j: f"req-{next(self._ids)}")
+        for sub in (sub for group in plan for sub in group):
+            self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params)
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
         results = []
-        for request_ids in requests:
-            best = pick_best([finished[r] for r in request_ids], params)
-            if params.n > 1 or len(request_ids) > 1:
+        for group in plan:
+            best = pick_best([finished[sub.request_id] for sub in group], params)
+            if params.n > 1 or len(group) > 1:
                 best[0].outputs = best
             results.append(best[0])
         return results

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         args.func = run_bench_agent
     else:
         args = build_parser().parse_args(argv)
-    from specdec.memory import MemoryBudgetError
+    from specdec.engine.memory import MemoryBudgetError
 
     try:
         return args.func(args)

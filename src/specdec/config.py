@@ -149,7 +149,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     # structured output, OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema":
-    # {"schema": {...}}}; every position (drafted or not) is masked by the grammar (see specdec.structured)
+    # {"schema": {...}}}; every position (drafted or not) is masked by the grammar (see specdec.engine.structured)
     response_format: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:

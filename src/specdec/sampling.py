@@ -10,12 +10,9 @@ the acceptance test corrects it (proposers process theirs with `process_logits` 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from specdec.config import SamplingParams
-from specdec.outputs import RequestOutput
 
 
 def process_rows(
@@ -109,24 +106,3 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         gen.manual_seed(seed)
     return gen
-
-
-def fan_out(params: SamplingParams) -> list[SamplingParams]:
-    """The params of each sequence a request runs: `best_of` (default `n`) of them, seeded seed, seed + 1, ...
-    (as vLLM seeds parallel samples) so that seeded requests stay reproducible and their samples differ.
-    Seeds wrap past 2**64 - 1, the largest a torch generator takes: 2**64 - 1, 0, 1, ..."""
-    count = params.best_of or params.n
-    if params.seed is None:
-        return [params] * count
-    return [dataclasses.replace(params, seed=seed if seed < 2**64 else seed - 2**64)
-            for seed in range(params.seed, params.seed + count)]
-
-
-def pick_best(outputs: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
-    """The `n` completions a request returns from its finished sequences (in `fan_out`'s order): all of them,
-    or with best_of > n the n with the highest cumulative log-probability; numbered 0..n-1."""
-    if len(outputs) > params.n:
-        outputs = sorted(outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[: params.n]
-    for i, out in enumerate(outputs):
-        out.index = i
-    return outputs

@@ -24,7 +24,7 @@ from specdec.bench.methods import Method
 from specdec.bench.prompts import Prompt
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.metrics import SpecMetrics
+from specdec.engine.metrics import SpecMetrics
 
 WARMUP_TOKENS = 4
 

@@ -29,12 +29,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specdec.cache import KVCache
 from specdec.config import ModelConfig
-from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
+from specdec.data import DATA_DIR
 from specdec.kernels.qgemm import quantize_q8_0
-from specdec.models.qlinear import Q8_0, QuantEmbedding, QuantLinear
-from specdec.models.quant import Int8Linear
+from specdec.models.kv_cache import KVCache
+from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
+from specdec.models.qlinear import Q8_0, QuantLinear
 
 HEAD_METHODS = ("medusa", "eagle")
 
@@ -102,32 +102,11 @@ def target_fingerprint(target) -> str:
     digest = hashlib.sha256(
         json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads]).encode()
     )
-    embed = target.model.embed_tokens  # an nn.Embedding or a QuantEmbedding: rows by lookup
     stride = max(1, c.vocab_size // 256)
-    rows = embed(torch.arange(0, c.vocab_size, stride, device=target.device))
-    for t in (rows, target.model.norm.weight):
+    rows = target.embed(torch.arange(0, c.vocab_size, stride, device=target.device))
+    for t in (rows, target.final_norm_weight):
         digest.update(t.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def embedding_table(target) -> torch.Tensor:
-    """The target's whole embedding table as a new float32 tensor [vocab, hidden] (for training)."""
-    embed = target.model.embed_tokens
-    if isinstance(embed, QuantEmbedding):
-        return embed.dequantize_rows(torch.arange(target.config.vocab_size))
-    return embed.weight.detach().float().clone()
-
-
-def output_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """The target's output-layer rows [len(vocab_ids), hidden] for the reduced vocabulary (fp32)."""
-    lm_head = target.lm_head
-    if isinstance(lm_head, nn.Linear):
-        return lm_head.weight.detach()[vocab_ids].float()
-    if isinstance(lm_head, QuantLinear):  # GGUF blocks
-        return lm_head.dequantize_rows(vocab_ids.cpu()).to(vocab_ids.device)
-    if isinstance(lm_head, Int8Linear):  # per-channel scales
-        return lm_head.qweight[vocab_ids].float() * lm_head.scale[vocab_ids].float()[:, None]
-    raise ValueError(f"draft heads need a float, block or int8 output layer, not {type(lm_head).__name__}")
 
 
 class _Head(nn.Module):
@@ -145,14 +124,13 @@ class _Head(nn.Module):
         """Take the target's output rows (and embedding, for EAGLE); move to its device and dtype."""
         self.to(device=target.device)
         self.dtype = next(self.parameters()).dtype
-        self.lm_rows = output_rows(target, self.vocab_ids).to(target.device, self.dtype)
+        self.lm_rows = target.output_weights(self.vocab_ids).to(target.device, self.dtype)
         return self
 
     def to_block_kernels(self, target) -> "_Head":
         """Run on the target's block kernels (a target loaded from GGUF blocks): the output layer is the
         target's own blocks for the reduced vocabulary, every other matrix Q8_0. Inference only."""
-        self.lm_head = QuantLinear([(target.lm_head.blocks[0][self.vocab_ids.cpu()], target.lm_head.types[0])],
-                                   self.config.hidden_size)
+        self.lm_head = target.output_rows(self.vocab_ids)
         self.lm_rows = torch.zeros(0, self.config.hidden_size, dtype=self.dtype)
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
@@ -211,7 +189,7 @@ class EagleHead(_Head):
 
     def attach(self, target) -> "EagleHead":
         super().attach(target)
-        self.embed = target.model.embed_tokens.forward
+        self.embed = target.embed
         self.inv_freq = rope_inv_freq(self.config.layer_config()).to(target.device)
         return self
 
@@ -257,11 +235,11 @@ def read_heads_config(directory: str | Path) -> HeadsConfig:
     return HeadsConfig(**json.loads(path.read_text()))
 
 
-PRETRAINED = Path(__file__).resolve().parent / "pretrained"
+PRETRAINED = DATA_DIR / "heads"  # package data, outside the code folders
 
 
 def resolve_heads(name_or_path: str) -> Path:
-    """A heads folder: a path, or the name of heads shipped with specdec (`pretrained/NAME`)."""
+    """A heads folder: a path, or the name of heads shipped with specdec (`specdec/data/heads/NAME`)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -316,7 +294,7 @@ def load_heads(directory: str | Path, target, method: str | None = None) -> _Hea
     state = load_file(str(Path(directory) / "model.safetensors"))
     head.load_state_dict(state)
     head = head.to(dtype=target.dtype).attach(target).requires_grad_(False).eval()
-    return head.to_block_kernels(target) if isinstance(target.lm_head, QuantLinear) else head
+    return head.to_block_kernels(target) if target.on_block_kernels else head
 
 
 def head_bytes(head: nn.Module) -> int:

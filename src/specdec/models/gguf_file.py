@@ -54,7 +54,11 @@ class Tensor:
 class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as f:  # a read-only shared map (the file may be closed once mapped)
+            if self.path.stat().st_size == 0:
+                raise GGUFError(f"{self.path.name} is not a GGUF file (it is empty)")
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map = np.frombuffer(self._mmap, dtype=np.uint8)  # the tensors are views of it: no copy
         self._buf = memoryview(self._map)
         self._pos = 0
         if bytes(self._buf[:4]) != b"GGUF":
@@ -83,9 +87,8 @@ class GGUFFile:
         """Let the OS drop this process's resident pages of the file (a read-only shared map: whatever is
         used again is read back from the page cache): after load, once the kernels hold their own layouts of
         the matrices they read (`QuantLinear`), the file's pages would otherwise stay counted as resident."""
-        mapped = getattr(self._map, "_mmap", None)
-        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-            mapped.madvise(mmap.MADV_DONTNEED)
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
 
     def get_field(self, key: str) -> Field | None:
         return self.fields.get(key)

@@ -21,11 +21,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from specdec.cache import KEY_BLOCK, KVCache
 from specdec.config import ModelConfig
 from specdec.kernels import qgemm
-from specdec.models.qlinear import QuantLinear
+from specdec.models.kv_cache import KEY_BLOCK, KVCache
+from specdec.models.qlinear import QuantEmbedding, QuantLinear
+from specdec.models.quant import Int8Linear
 
 
 QUERY_BLOCK = 8  # queries per attention matmul on CPU (padded): one shape per key count (see `_exact_attention`)
@@ -323,20 +325,25 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class _SkipInit(TorchFunctionMode):
+    """Within it (this thread, this block only), the modules' random initializers return their tensor as it is."""
+
+    SKIPPED = {nn.init.kaiming_uniform_, nn.init.uniform_, nn.init.normal_, torch.Tensor.uniform_, torch.Tensor.normal_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def meta_skeleton():
-    """Build modules on the meta device without running their initializers: the values are replaced
-    anyway, and random init on meta tensors first imports torch's reference ops (~1.7 s at start-up)."""
-    names = ("normal_", "uniform_", "kaiming_uniform_")
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        with torch.device("meta"):
-            yield
-    finally:
-        for n, fn in saved.items():
-            setattr(nn.init, n, fn)
+    """Build modules on the meta device without running their initializers: the values are replaced anyway,
+    and random init on meta tensors first imports torch's reference ops (~1.7 s at start-up). Torch function
+    modes, scoped to the block and the thread: nothing process-wide is patched."""
+    with torch.device("meta"), _SkipInit():
+        yield
 
 
 class Transformer(nn.Module):
@@ -373,6 +380,38 @@ class Transformer(nn.Module):
         with torch.no_grad():
             rows.weight.copy_(self.lm_head.weight[ids.to(self.device)])
         return rows.eval()
+
+    # what other modules (draft heads, training) read of the target, without reaching into its layers
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [*ids.shape, hidden] of `ids` (an embedding table or its blocks: rows by lookup)."""
+        return self.model.embed_tokens(ids)
+
+    def embedding_table(self) -> torch.Tensor:
+        """The whole embedding table as a new float32 tensor [vocab, hidden]."""
+        embed = self.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            return embed.dequantize_rows(torch.arange(self.config.vocab_size))
+        return embed.weight.detach().float().clone()
+
+    def output_weights(self, ids: torch.Tensor) -> torch.Tensor:
+        """The output layer's rows [len(ids), hidden] for token ids `ids`, in float32 (dequantized)."""
+        lm_head = self.lm_head
+        if isinstance(lm_head, nn.Linear):
+            return lm_head.weight.detach()[ids].float()
+        if isinstance(lm_head, QuantLinear):  # GGUF blocks
+            return lm_head.dequantize_rows(ids.cpu()).to(ids.device)
+        if isinstance(lm_head, Int8Linear):  # per-channel scales
+            return lm_head.qweight[ids].float() * lm_head.scale[ids].float()[:, None]
+        raise ValueError(f"no float rows for an output layer of type {type(lm_head).__name__}")
+
+    @property
+    def on_block_kernels(self) -> bool:
+        """Its output layer runs on GGUF blocks (`output_rows` then gives block rows with the same bits)."""
+        return isinstance(self.lm_head, QuantLinear)
+
+    @property
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.model.norm.weight
 
     @property
     def device(self) -> torch.device:

@@ -31,8 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.config import SamplingParams
-from specdec.outputs import RequestOutput
-from specdec.sampling import fan_out, pick_best
+from specdec.engine.outputs import RequestOutput
+from specdec.engine.structured import Grammar
+from specdec.fan_out import pick_best, sub_requests
 from specdec.server import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT_BODY
 from specdec.server import anthropic
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
@@ -43,7 +44,6 @@ from specdec.server.protocol import (
     DetokenizeRequest, Renderer, TokenizeRequest, new_id, validation_error,
 )
 from specdec.server.responses import ResponseStore, ResponsesRequest, ResponseTranslator
-from specdec.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -364,16 +364,16 @@ class _Server:
 
     async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, prompt_param: str,
                       cache_salt: str | None = None) -> "_Request":
-        """One engine request per sequence: `fan_out(params)` of them for each prompt."""
+        """One engine request per sequence: `fan_out(params)` of them for each prompt (`sub_requests`)."""
         request = _Request(request_id, prompt_ids, params)
         try:
-            for i, ids in enumerate(prompt_ids):
-                for j, seq_params in enumerate(fan_out(params)):
-                    sub_id = request_id if len(prompt_ids) == 1 and j == 0 else f"{request_id}-{i}-{j}"
-                    started = time.monotonic()
-                    stream = await self.engine.add_request(sub_id, ids, seq_params, cache_salt)
-                    request.trackers[i].append(_Tracker(stream, started, self.metrics))
-                    _REACHED_ENGINE.get([False])[0] = True  # its tracker counts it from now on
+            plan = sub_requests(prompt_ids, params, lambda i, j: request_id if len(prompt_ids) == 1 and j == 0
+                                else f"{request_id}-{i}-{j}")
+            for sub in (sub for group in plan for sub in group):
+                started = time.monotonic()
+                stream = await self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params, cache_salt)
+                request.trackers[sub.prompt_index].append(_Tracker(stream, started, self.metrics))
+                _REACHED_ENGINE.get([False])[0] = True  # its tracker counts it from now on
         except BaseException as e:
             request.close()
             if isinstance(e, ValueError):

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from specdec.config import SamplingParams
-from specdec.outputs import RequestOutput
+from specdec.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -144,7 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     target = args.model or DEFAULT_TARGET
     draft = args.speculative_model  # none given: auto speculation (the suffix tries and the target's heads)
-    from specdec.memory import MemoryBudgetError
+    from specdec.engine.memory import MemoryBudgetError
 
     try:
         llm = load_for_serving(args, target, draft)

@@ -1,6 +1,6 @@
 """Prometheus metrics of the server, named as vLLM names them with a `specdec:` prefix.
 
-Speculative decoding (vLLM v1's `vllm:spec_decode_*`, same meanings; see `specdec.metrics`):
+Speculative decoding (vLLM v1's `vllm:spec_decode_*`, same meanings; see `specdec.engine.metrics`):
 
     specdec:spec_decode_num_drafts_total                       drafts proposed (one per step that drafted)
     specdec:spec_decode_num_draft_tokens_total                 tokens proposed
@@ -10,7 +10,7 @@ Speculative decoding (vLLM v1's `vllm:spec_decode_*`, same meanings; see `specde
 
 From these:  acceptance rate = accepted_tokens / draft_tokens,
              mean acceptance length = 1 + accepted_tokens / drafts   (vLLM's; the bonus token included;
-                                                                      `specdec.metrics.mean_acceptance_length`).
+                                                                      `specdec.engine.metrics.mean_acceptance_length`).
 
 Prefix caching (vLLM's names and meanings): `specdec:prefix_cache_queries_total` (prompt tokens looked up) and
 `specdec:prefix_cache_hits_total` (those found cached); hit rate = hits / queries.
@@ -33,7 +33,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from specdec.outputs import RequestOutput
+from specdec.engine.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)

@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdec.config import MAX_TEMPERATURE
-from specdec.metrics import SpecMetrics
-from specdec.outputs import RequestOutput, TokenLogprob
+from specdec.engine.metrics import SpecMetrics
+from specdec.engine.outputs import RequestOutput, TokenLogprob
 from specdec.server.tool_calls import ToolCallParser, ToolCallStream
 
 # ---- errors -------------------------------------------------------------------------------------------

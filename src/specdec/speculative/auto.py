@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from specdec.speculative.controller import AcceptanceEstimate, ByKind, CostModel, expected_tokens
-from specdec.speculative.proposers import Draft, Proposal, Proposer, SuffixProposer, _clock
+from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposal, Proposer, SuffixProposer
 
 
 @dataclass
@@ -67,12 +67,9 @@ class AutoProposer(Proposer):
         self.offset = suffix.guess_kinds  # the second drafter's kinds follow the trie's
         self.policy = ByKind(0, suffix.guess_kinds + (second.guess_kinds if self.labelled else 0))
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
-        self._controller = None  # whose measured costs it reads (`bind`)
         self._costs = CostModel()  # until then
         self._rows: dict[str, _Row] = {}
         if second is not None:  # what the engine asks of a drafter is the second one's: the trie needs nothing
-            self.needs_hidden = second.needs_hidden
-            self.reads_prompt = second.reads_prompt
             self.restart_tokens = second.restart_tokens
             self.cache = second.cache
             self.kv_shift = second.kv_shift
@@ -83,11 +80,13 @@ class AutoProposer(Proposer):
         return self.second is not None and not self.labelled
 
     def bind(self, controller) -> None:
-        self._controller = controller
+        self.controller = controller
+        if self.second is not None:
+            self.second.bind(controller)
 
     @property
     def costs(self) -> CostModel:
-        return self._costs if self._controller is None else self._controller.costs
+        return self._costs if self.controller is None else self.controller.costs
 
     def max_width(self, k: int) -> int:
         return max(k, self.second.max_width(min(k, self.k)) if self.second is not None else 0)
@@ -154,9 +153,9 @@ class AutoProposer(Proposer):
         values = [self._value(d.kinds or [], row.lean.lean) for d, row in zip(drafts, rows)]
         forward = None
         if self.labelled:
-            t0 = _clock()
+            t0 = self.clock()
             second = self.second.draft(seqs, [min(k, self.k) for k in ks])
-            forward = _clock() - t0
+            forward = self.clock() - t0
             for b, (d, row) in enumerate(zip(second, rows)):
                 if not d.tokens:
                     continue
@@ -205,9 +204,15 @@ class AutoProposer(Proposer):
     def prefill(self, seq, start: int, stop: int) -> int:
         return self.second.prefill(seq, start, stop) if self.second is not None else 0
 
-    def observe_prefill(self, seq, hidden) -> None:
+    def read_prompt(self, chunk: PromptChunk) -> None:
         if self.second is not None:
-            self.second.observe_prefill(seq, hidden)
+            self.second.read_prompt(chunk)
+
+    def usable_prefix(self, prefix, chain: list) -> int:
+        return self.second.usable_prefix(prefix, chain) if self.second is not None else len(chain)
+
+    def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
+        return self.second.restore_prefix(seq, prefix, chain, cached, batch) if self.second is not None else cached
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         self.suffix.observe(seqs, drafts, verdicts)

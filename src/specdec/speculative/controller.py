@@ -47,7 +47,18 @@ matched token ~20%, and one rate for both either cuts the sure runs short or ver
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+
+def default_clock() -> float:
+    """perf_counter, after the work queued on a GPU (it belongs to what was timed)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 @dataclass
@@ -426,11 +437,12 @@ class SpeculationController:
     `--speculative-disable-by-batch-size`), probes, and whether a draft model reads a joining prompt.
 
     `restart_tokens`: what a drafting row re-reads when speculation resumes after a pause (a draft
-    model's window), a cost a probe must pay for.
+    model's window), a cost a probe must pay for. `clock`: the engine's, which the proposers read too
+    (default: perf_counter after a GPU's queued work).
     """
 
     def __init__(self, k_max: int, adaptive: bool = False, disable_by_batch_size: int | None = None,
-                 restart_tokens: int = 0, guess_kinds: int = 0) -> None:
+                 restart_tokens: int = 0, guess_kinds: int = 0, clock: Callable[[], float] | None = None) -> None:
         if adaptive and k_max > 0:
             self.policy = ByKind(k_max, guess_kinds) if guess_kinds else AdaptiveK(k_max)
         else:
@@ -443,6 +455,17 @@ class SpeculationController:
         self.disable_by_batch_size = disable_by_batch_size
         self.restart_tokens = restart_tokens
         self._draft_warm: set[int] = set()  # batch sizes at which the drafter has run once
+        self.clock = clock or default_clock  # what every part of a step is timed with, the proposers' parts too
+
+    @classmethod
+    def for_proposer(cls, proposer, k_max: int, adaptive: bool = False, disable_by_batch_size: int | None = None,
+                     clock: Callable[[], float] | None = None) -> "SpeculationController":
+        """The controller of `proposer` (bound to it): no K for a proposer that never drafts, and the policy its
+        drafts call for (`ByKind` for labelled tokens)."""
+        k = k_max if proposer.max_width(k_max) > 0 else 0
+        controller = cls(k, adaptive, disable_by_batch_size, proposer.restart_tokens, proposer.guess_kinds, clock)
+        proposer.bind(controller)
+        return controller
 
     @property
     def k_max(self) -> int:

@@ -1,7 +1,8 @@
 """Proposers on the target's own features: Medusa heads and the EAGLE head, chains or trees.
 
-Both read the target's final hidden states (`needs_hidden`): the engine hands them the states of the
-prompt at prefill and of the tokens committed at each step. Neither touches the target's cache.
+Both read the target's final hidden states: those of the prompt at prefill (`read_prompt`) and of the tokens
+committed at each step (`observe`). Neither touches the target's cache; starting from a cached prefix, the
+target recomputes the prefix's last token for them (`restore_prefix`).
 
 Children of a tree node are the top-ranked tokens of the node's draft distribution when greedy, and
 independent draws from it when sampling; `Draft.probs[i]` is the distribution node i was drawn from,
@@ -16,7 +17,7 @@ from functools import partial
 import torch
 
 from specdec.sampling import process_logits
-from specdec.speculative.proposers import Draft, Proposer
+from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 
 
@@ -46,7 +47,6 @@ class _FeatureProposer(Proposer):
     at depth 1 is not, which a single K for every step cannot do.
     """
 
-    needs_hidden = True
     SURENESS = (0.1, 0.25, 0.5, 0.75, 0.9)
 
     def __init__(self, head, vocab_size: int, tree: TreeShape | DynamicTree | None, max_depth: int) -> None:
@@ -61,6 +61,29 @@ class _FeatureProposer(Proposer):
         """The kind of a chain's token at `depth` (0: the first drafted) that the head gives probability `prob`.
         Example: depth 1, prob 0.8 -> 1 * 6 + 4 = 10."""
         return depth * (len(cls.SURENESS) + 1) + bisect_right(cls.SURENESS, prob)
+
+    def read_prompt(self, chunk: PromptChunk) -> None:
+        self.observe_hidden(chunk.seq, chunk.hidden)
+
+    def observe_hidden(self, seq, hidden: torch.Tensor) -> None:
+        """The target's hidden states [n, H] of the tokens of `seq` just committed (prompt or output)."""
+        raise NotImplementedError
+
+    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
+        for seq, h in zip(seqs, hidden):
+            self.observe_hidden(seq, h)
+
+    def usable_prefix(self, prefix, chain: list) -> int:
+        """With a cache of its own (EAGLE) the blocks it holds: its pairs cannot be recomputed without the
+        features of the whole prefix."""
+        return len(chain) if self.cache is None else prefix.held("draft", chain)
+
+    def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
+        """It needs the feature of the token before the first one it is handed: the target recomputes the
+        prefix's last token (EAGLE's cached pairs end just before it)."""
+        if self.cache is not None:
+            prefix.load("draft", chain, self.cache, seq.row, self.kv_shift)
+        return cached - 1
 
     @property
     def memory_bytes(self) -> int:
@@ -148,7 +171,7 @@ class MedusaProposer(_FeatureProposer):
         super().__init__(head, vocab_size, tree, min(max_depth, head.config.num_heads))
 
     # a sequence's state (`seq.draft_state`): [H], the hidden state of its last committed token
-    def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, seq, hidden: torch.Tensor) -> None:
         seq.draft_state = hidden[-1]
 
     def draft(self, seqs, ks):
@@ -170,10 +193,6 @@ class MedusaProposer(_FeatureProposer):
         node_depths = depths(parents)
         return logits[[0 if n < 0 else node_depths[n] for n in nodes]]
 
-    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
-        for seq, h in zip(seqs, hidden):
-            seq.draft_state = h[-1]
-
 
 class EagleProposer(_FeatureProposer):
     """The EAGLE head drafts from features: its cache holds the pairs (target feature of token t, token
@@ -193,17 +212,13 @@ class EagleProposer(_FeatureProposer):
         return super().memory_bytes + self.cache.nbytes
 
     # a sequence's state (`seq.draft_state`): [m, H], the target features not yet paired (None: none)
-    def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
-        self._add_pending(seq, hidden)
+    def observe_hidden(self, seq, hidden: torch.Tensor) -> None:
+        seq.draft_state = hidden if seq.draft_state is None else torch.cat([seq.draft_state, hidden])
 
     def cached_tokens(self, seq) -> int:
         """Leading tokens of `seq` that the pairs in the head's cache were made of."""
         n = self.cache.lengths[seq.row]
         return n + 1 if n else 0
-
-    @staticmethod
-    def _add_pending(seq, hidden: torch.Tensor) -> None:
-        seq.draft_state = hidden if seq.draft_state is None else torch.cat([seq.draft_state, hidden])
 
     def draft(self, seqs, ks):
         roots = self._feed_pending(seqs)  # [B, H] predicted feature of each sequence's last token
@@ -276,9 +291,6 @@ class EagleProposer(_FeatureProposer):
 
         return logits_of
 
-    def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
-        for seq, h in zip(seqs, hidden):
-            self._add_pending(seq, h)
 
 
 def default_tree(depth: int) -> TreeShape:

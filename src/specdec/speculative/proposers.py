@@ -7,17 +7,17 @@ empty `Draft` on the same path, and no speculation at all is the `NullProposer`.
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import numpy as np
 import torch
 
-from specdec.cache import KVCache
+from specdec.models.kv_cache import KVCache
 from specdec.sampling import process_logits, sample
 from specdec.speculative.acceptance import Verdict
+from specdec.speculative.controller import default_clock
 from specdec.speculative.tree import depths
 
 
@@ -43,56 +43,105 @@ class Proposal:
     forward_seconds: float | None = None  # mean time of one drafting forward (catch-up left out); None: unmeasured
 
 
+@dataclass
+class Joining:
+    """The batch a sequence joins, as a proposer deciding whether to read its prompt sees it."""
+
+    running: Seq  # the running sequences
+    batch_size: int  # the batch it will be in: the running ones, it, and those waiting behind it (at most the max)
+
+
+@dataclass
+class PromptChunk:
+    """Prompt tokens [start, stop) of `seq`, just prefilled by the target."""
+
+    seq: Any
+    start: int
+    stop: int
+    hidden: torch.Tensor  # [stop - start, H] the target's final hidden states of those tokens
+    batch: Joining
+
+
 class Proposer:
-    """Who drafts the next tokens: everything the engine may ask of it, with the defaults of a proposer that
-    has nothing to do there. Batch-first: `seqs` are the running sequences (the engine's `Sequence`: token
-    ids, sampling settings, generator, grammar state, cache row), `ks[i]` the tokens wanted for sequence i.
+    """Who drafts the next tokens: everything the engine asks of it, with the defaults of a proposer that has
+    nothing to do there, so that the engine asks every proposer the same things and never which one it has.
+    Batch-first: `seqs` are the running sequences (the engine's `Sequence`: token ids, sampling settings,
+    generator, grammar state, cache row, metrics), `ks[i]` the tokens wanted for sequence i.
 
     Per-sequence state lives on the sequence (`seq.draft_state`, the proposer's to set), so it follows the
     sequence wherever its row moves and goes when it goes. K/V of its own (a draft model, EAGLE) are in
-    `cache`, a row per sequence as in the target's cache: the engine moves and frees those rows with the
-    target's, and the prefix cache keeps them (`kv_shift`, `cached_tokens`).
+    `cache`, a row per sequence as in the target's cache: the engine moves, resizes and frees the rows of its
+    `kv_caches` with the target's, and the prefix cache keeps them (`save_prefix`, `restore_prefix`).
+    It reads the target's final hidden states where it wants them: the engine hands them to every proposer
+    (`read_prompt`'s chunk, `observe`'s `hidden`). Its times are taken with its controller's clock (`bind`).
     """
 
-    needs_hidden = False  # reads the target's final hidden states (observe_prefill, observe's `hidden`)
-    reads_prompt = False  # reads joining prompts (`prefill`) while the engine prefills them
-    restart_tokens = 0  # what a row re-reads when drafting resumes after a pause (a draft model's window)
-    cache: KVCache | None = None
+    cache: KVCache | None = None  # K/V of its own
     kv_shift = 0  # slot s of a `cache` row holds what tokens 0..s + kv_shift determine
-    # > 0: its chain drafts label each token with one of this many kinds of guess (`Draft.kinds`), tokens of
-    # one kind being accepted at about one rate; the adaptive controller learns each kind's rate and cuts
-    # drafts where their tokens stop paying for their rows (`controller.ByKind`)
+    # what the controller asks of it (`SpeculationController.for_proposer`): what a row re-reads when drafting
+    # resumes after a pause (a draft model's window), and > 0 where its chain drafts label each token with one
+    # of this many kinds of guess (`Draft.kinds`), tokens of one kind being accepted at about one rate (the
+    # adaptive controller learns each kind's rate and cuts drafts where their tokens stop paying, `ByKind`)
+    restart_tokens = 0
     guess_kinds = 0
+    controller = None  # the `SpeculationController` that runs it (`bind`)
 
     def max_width(self, k: int) -> int:
         """The most tokens (tree nodes) one draft holds when asked for k: k for chains, 0 if it never drafts."""
         return k
 
     def bind(self, controller) -> None:
-        """The `SpeculationController` that runs it (a proposer that chooses its own drafts reads its costs)."""
+        """The `SpeculationController` that runs it: its clock, and its costs for a proposer that chooses its
+        own drafts or whether to read a prompt."""
+        self.controller = controller
+
+    def clock(self) -> float:
+        """The time, as the engine takes it (its controller's clock)."""
+        return default_clock() if self.controller is None else self.controller.clock()
+
+    @property
+    def kv_caches(self) -> dict[str, KVCache]:
+        """Its own K/V caches by name ("draft"), rows kept with the target's (none: {})."""
+        return {} if self.cache is None else {"draft": self.cache}
 
     def propose(self, seqs: Seq, ks: Seq[int]) -> Proposal:
         """Drafts for this step, timed as a whole: one forward per drafted token."""
         k_max = max(ks, default=0)
         if k_max == 0:
             return Proposal([Draft([]) for _ in seqs])
-        t0 = _clock()
+        t0 = self.clock()
         drafts = self.draft(seqs, ks)
-        return Proposal(drafts, (_clock() - t0) / k_max)
+        return Proposal(drafts, (self.clock() - t0) / k_max)
 
     def draft(self, seqs: Seq, ks: Seq[int]) -> list[Draft]:
         raise NotImplementedError
 
     def prefill(self, seq, start: int, stop: int) -> int:
-        """Read prompt tokens [start, stop) of `seq` (with `reads_prompt`); returns how many it read."""
+        """Read prompt tokens [start, stop) of `seq` into its own cache; returns how many it read."""
         return 0
 
-    def observe_prefill(self, seq, hidden: torch.Tensor) -> None:
-        """The target's hidden states [n, H] of the prompt tokens just prefilled (with `needs_hidden`)."""
+    def read_prompt(self, chunk: PromptChunk) -> None:
+        """The target has just prefilled `chunk` of a joining sequence's prompt (its hidden states given)."""
 
-    def observe(self, seqs: Seq, drafts: Seq[Draft], verdicts: Seq[Verdict], hidden=None) -> None:
-        """After verification; `hidden[i]` ([kept + 1, H], with `needs_hidden`) holds the target's final hidden
-        states of the tokens it committed for sequence i this step."""
+    def usable_prefix(self, prefix, chain: list) -> int:
+        """How many blocks of a cached prompt prefix `chain` (`PrefixCache.lookup`) a sequence may start from."""
+        return len(chain)
+
+    def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
+        """`seq` starts from `chain`, of which the target's cache row now holds `cached` tokens: take what it
+        keeps of them; returns how many of them the target keeps (fewer: it recomputes the rest)."""
+        return cached
+
+    def save_prefix(self, seq, prefix, keys: list[bytes]) -> None:
+        """Save the whole blocks (`keys`) of `seq` that its own cache row holds to `prefix` (a `PrefixCache`)."""
+        if self.cache is not None:
+            drafted = self.cached_tokens(seq) // prefix.block_size
+            prefix.save("draft", keys[:drafted], self.cache, seq.row, self.kv_shift)
+
+    def observe(self, seqs: Seq, drafts: Seq[Draft], verdicts: Seq[Verdict],
+                hidden: Seq[torch.Tensor] | None = None) -> None:
+        """After verification; `hidden[i]` ([kept + 1, H]) holds the target's final hidden states of the tokens
+        it committed for sequence i this step (the engine always gives them)."""
 
     def release(self, seq) -> None:
         """`seq` leaves the batch (its `cache` row is freed by the engine)."""
@@ -114,12 +163,6 @@ class NullProposer(Proposer):
 
     def propose(self, seqs, ks) -> Proposal:
         return Proposal([Draft([]) for _ in seqs])
-
-
-def _clock() -> float:
-    if torch.cuda.is_initialized():  # (work queued on a GPU belongs to the drafting it timed)
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 class NgramProposer(Proposer):
@@ -172,8 +215,9 @@ class _DraftRow:
 class DraftModelProposer(Proposer):
     """A smaller model of the same family, with its own KV cache rolled back with the target's.
 
-    The draft cache holds the K/V of a stretch of each sequence. The engine feeds it the prompt while
-    it prefills the target (`prefill`), when it expects to speculate. A proposal first feeds each row
+    The draft cache holds the K/V of a stretch of each sequence. It reads each prompt chunk the target
+    prefills (`read_prompt`), or the blocks a prefix cache holds for it, where its controller expects the
+    batch to speculate (`SpeculationController.draft_reads_prompt`). A proposal first feeds each row
     the tokens it lacks (usually 1; 2 after a fully accepted draft: the last drafted token and the bonus
     token; more after steps without speculation), all rows in one forward, then drafts one token per
     forward.
@@ -189,7 +233,6 @@ class DraftModelProposer(Proposer):
     is 40% of its weights); its distribution, for rejection sampling, is its softmax over them, zero elsewhere.
     """
 
-    reads_prompt = True
     kv_shift = 0  # slot s of a row holds the K/V of token s
 
     def __init__(self, model, max_batch_size: int, capacity: int, prefill_chunk: int = 512,
@@ -201,7 +244,6 @@ class DraftModelProposer(Proposer):
         self.prefill_chunk = prefill_chunk
         self.window = window
         self.restart_tokens = window
-        self._sync = model.device.type == "cuda"
 
     @staticmethod
     def state(seq) -> _DraftRow:
@@ -243,10 +285,35 @@ class DraftModelProposer(Proposer):
             start = end
         return fed
 
-    def _time(self) -> float:
-        if self._sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def read_prompt(self, chunk: PromptChunk) -> None:
+        if self._reads(chunk.seq, chunk.start, chunk.batch):
+            self._timed_prefill(chunk.seq, chunk.start, chunk.stop)
+
+    def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
+        """The blocks of `chain` it has cached (possibly fewer: it had restarted on a window), and it reads the
+        rest itself, if it reads this prompt at all; otherwise it gets nothing, as when it skips a prompt."""
+        held = chain[:prefix.held("draft", chain)]
+        if self._reads(seq, len(held) * prefix.block_size, batch):
+            self._timed_prefill(seq, prefix.load("draft", held, self.cache, seq.row), cached)
+        return cached
+
+    def _reads(self, seq, start: int, batch: Joining) -> bool:
+        """Whether it reads the prompt of `seq` from token `start` on, as the controller decides for the batch
+        `seq` joins. If so, `seq` gets the acceptance prior of sequences whose prompt was read."""
+        controller = self.controller
+        reads = controller.draft_reads_prompt([s.estimate for s in batch.running], batch.batch_size,
+                                              len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
+        if reads and not seq.estimate.read_prompt:  # its acceptance is then that of drafts with their context
+            seq.estimate = controller.new_estimate(read_prompt=True)
+        return reads
+
+    def _timed_prefill(self, seq, start: int, stop: int) -> None:
+        """Read prompt tokens [start, stop) of `seq`, counted as draft time (and as the draft's prefill cost)."""
+        t0 = self.clock()
+        read = self.prefill(seq, start, stop)
+        t1 = self.clock()
+        seq.metrics.draft_time += t1 - t0
+        self.controller.record_prefill("draft", read, t1 - t0)
 
     def _pick(self, seq, logits: torch.Tensor, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
         """The draft's token for `seq` from logits [V]: argmax when greedy, else a seeded draw. Under a grammar
@@ -288,7 +355,7 @@ class DraftModelProposer(Proposer):
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         # the cost of a drafting forward: a first forward wider than 2 tokens is a catch-up, left out
-        timed_from, catch_up = (None, 1) if width > 2 else (self._time(), 0)
+        timed_from, catch_up = (None, 1) if width > 2 else (self.clock(), 0)
         for step in range(k_max):
             logits = self.model(
                 torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.cache, head=self.head
@@ -304,12 +371,12 @@ class DraftModelProposer(Proposer):
                     if p is not None:
                         probs[b].append(p)
             if timed_from is None and k_max > 1:
-                timed_from = self._time()
+                timed_from = self.clock()
             if step + 1 < k_max:
                 inputs = [[t[-1] if t else seq.tokens[-1]] for t, seq in zip(tokens, seqs)]
                 positions = [[self._consumed(s)] for s in seqs]
                 last = [0] * B
-        seconds = (self._time() - timed_from) / (k_max - catch_up) if k_max > catch_up else None
+        seconds = (self.clock() - timed_from) / (k_max - catch_up) if k_max > catch_up else None
         drafts = [Draft(tokens[b][:ks[b]], torch.stack(probs[b][:ks[b]]) if probs[b] and ks[b] else None)
                   for b in range(B)]
         return Proposal(drafts, seconds)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.data import DATA_DIR
-from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, embedding_table, save_heads
+from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, save_heads
 from specdec.training.features import (
     choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, stdlib_windows,
     tokens_by_source,
@@ -144,7 +144,7 @@ def _trainable_heads(target, target_name: str, cfg: TrainConfig, vocab_ids: torc
     head.float().attach(target)
     head.lm_rows = head.lm_rows.float().clone()
     if isinstance(head, EagleHead):
-        table = embedding_table(target)
+        table = target.embedding_table()
         head.embed = lambda ids: F.embedding(ids, table)
     return head.to("cpu")
 

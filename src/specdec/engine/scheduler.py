@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Protocol
 
-from specdec.cache import KEY_BLOCK, KVCache
+from specdec.models.kv_cache import KEY_BLOCK, KVCache
 
 
 class Scheduled(Protocol):

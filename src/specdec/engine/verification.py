@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from specdec.outputs import TokenLogprob
+from specdec.engine.outputs import TokenLogprob
+from specdec.engine.structured import GrammarMatcher
 from specdec.sampling import logprob_rows, process_logits, process_rows, sample
 from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
 from specdec.speculative.proposers import Draft
 from specdec.speculative.tree import greedy_accept_tree, tree_rejection_sample
-from specdec.structured import GrammarMatcher
 
 
 def accept(seq, draft: Draft, target_logits: torch.Tensor) -> tuple[Verdict, torch.Tensor | None]:

@@ -16,8 +16,8 @@ Used by the engine, and by anything standing in for it (the server's unit-test f
 from __future__ import annotations
 
 from specdec.config import SamplingParams
+from specdec.engine.stop_strings import StopStrings
 from specdec.models.tokenizer import IncrementalDetokenizer
-from specdec.stop_strings import StopStrings
 
 
 class OutputText:

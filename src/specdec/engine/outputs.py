@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.metrics import SpecMetrics
+from specdec.engine.metrics import SpecMetrics
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec.cache import KVCache
+from specdec.models.kv_cache import KVCache
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 

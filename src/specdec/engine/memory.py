@@ -9,7 +9,7 @@ prompt. Every running sequence reserves a row of slots in the target's cache and
 `row_len` (4096 by default) while short sequences run, fewer and longer ones (up to `max_model_len`, the
 model's own context by default) while a long one does, so the budget decides how many sequences run at once. With prefix
 caching, what the running sequences leave of the budget holds cached prefixes (blocks of the target's and
-the draft's K/V; see `specdec.prefix_cache`).
+the draft's K/V; see `specdec.engine.prefix_cache`).
 
 Example: budget 10 GiB, weights 2.0 + 0.7 GiB, KV 28 KiB/token (target) + 12 KiB/token (draft),
 max_model_len 4096 -> 160 MiB a sequence -> min(requested, 46) sequences. Requesting 8 leaves
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.prefix_cache import BLOCK_SIZE
+from specdec.engine.prefix_cache import BLOCK_SIZE
 
 GiB = 1024 ** 3
 DEFAULT_UTILIZATION = 0.9  # of the device's memory, when no fraction is given (of RAM at most, on CPU)

@@ -1,0 +1,294 @@
+"""The engine: prefill, then propose -> verify -> accept -> commit -> observe, for a batch of sequences.
+
+It works on token ids; the tokenizer is used only for stop strings and streamed text. Who runs in which
+cache row is the scheduler's (`scheduler`: rows 0..B-1 packed, one sequence joining at a time through
+chunked prefill, `prefill_chunk` prompt tokens per step at most); feeding a joining prompt (and the prefix
+cache) is `prefill`'s; how many tokens to draft is the controller's (`SpeculationController`); what a
+sequence's text is and where it stops is its `OutputText`'s; judging one sequence's rows is
+`verification`'s; the target pass is `target_pass`'s. The engine runs the step:
+
+    ks = controller.choose(...)                 # K for each running sequence
+    proposal = proposer.propose(running, ks)    # drafts
+    drafts = controller.cut(proposal.drafts, ...)  # (labelled drafts: cut where their tokens stop paying)
+    logits, hidden = target([last, *draft] per row)  # one pass for the batch
+    per sequence: verification.accept -> KVCache.commit -> OutputText.append -> output
+    proposer.observe(..., hidden); controller.report(...)
+
+It asks every proposer the same things (`Proposer`) and never which one it has. Invariant: the target cache
+holds every token of a sequence but the last; a step feeds `[last, *draft]` (T = K + 1 tokens) and commits
+`1 + accepted` of them. Plain decoding is the same step with an empty draft (the `NullProposer` never
+drafts). A tree draft is verified in the same pass with a tree mask, and its accepted path is gathered into
+place (`KVCache.commit`).
+
+A failure is contained to the sequence it concerns: an exception in a sequence's own part of a step
+(prefilling it, judging its draft, appending, detokenizing, advancing its grammar) ends that sequence
+alone, with finish_reason "abort" and `RequestOutput.error`, while the rest of the batch goes on as if it
+had never been there. A draft the target pass cannot take (ids outside the vocabulary) is replaced by an
+empty one. Only the shared target pass and the proposer, where no one sequence can be blamed, fail the
+whole step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.engine import verification
+from specdec.engine.metrics import SpecMetrics
+from specdec.engine.output_text import OutputText
+from specdec.engine.outputs import RequestOutput
+from specdec.engine.prefill import Prefill
+from specdec.engine.prefix_cache import BLOCK_SIZE, PrefixCache
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.sequence import Sequence, request_grammar
+from specdec.engine.target_pass import verifiable, verify
+from specdec.models.tokenizer import Tokenizer
+from specdec.sampling import make_generator
+from specdec.speculative.acceptance import Verdict
+from specdec.speculative.controller import SpeculationController, StepReport
+from specdec.speculative.proposers import Draft, Joining, NullProposer, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        target,
+        tokenizer: Tokenizer,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
+        adaptive: bool = False,
+        max_model_len: int = 4096,
+        max_batch_size: int = 1,
+        prefill_chunk: int = 512,
+        disable_by_batch_size: int | None = None,
+        prefix_cache_blocks: int = 0,
+        prefix_block_size: int = BLOCK_SIZE,
+        prefix_isolation: str = "shared",
+        row_tokens: int | None = None,
+        row_len: int | None = None,
+        controller: SpeculationController | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """`controller`: the speculation policy (default: from `num_speculative_tokens`, `adaptive` and
+        `disable_by_batch_size`); `prefix_isolation`: "shared" (vLLM's: requests without a `cache_salt` share
+        cached prefixes with each other) or "salt" (only salted requests use the prefix cache, each salt its
+        own: how much of a prompt was cached tells nothing of another tenant's prompts); `row_tokens`: the K/V
+        slots all running sequences share (default: `max_batch_size` rows of `max_model_len`; fewer: short
+        sequences run `max_batch_size` at once, a long one in fewer, longer rows, see `Scheduler`); `row_len`: a
+        row's length while short sequences run, at most (default: `row_tokens // max_batch_size`); `clock`:
+        what every part of a step is timed with, by the controller and the proposer too (default: the
+        controller's, perf_counter after a GPU's queued work)."""
+        self.target = target
+        self.vocab_size = target.config.vocab_size  # the width of its logits
+        self.tokenizer = tokenizer
+        self.proposer = proposer or NullProposer()
+        self.max_model_len = max_model_len
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk  # prompt tokens fed per step, at most
+        if controller is None:
+            controller = SpeculationController.for_proposer(self.proposer, num_speculative_tokens, adaptive,
+                                                            disable_by_batch_size, clock)
+        else:
+            self.proposer.bind(controller)
+        self.controller = controller
+        self._now = controller.clock
+        # + the widest draft: a row near the end of the context is padded to the batch's widest (never committed)
+        widest = self.proposer.max_width(num_speculative_tokens)
+        self.cache, slots = self._new_cache(max_batch_size, row_tokens, row_len, widest)
+        caches = {"target": self.cache, **self.proposer.kv_caches}
+        self.scheduler = Scheduler(max_batch_size, list(caches.values()), row_tokens=slots,
+                                   need=lambda seq: len(seq.prompt_ids) + seq.params.max_tokens + widest)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.metrics = SpecMetrics()  # cumulative
+        self._aborted: set[str] = set()
+        self._failed: list[Sequence] = []  # failed in this step (`_isolated`), reported at its end
+        self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size) if prefix_cache_blocks > 0 \
+            else None
+        self.prefill = Prefill(self.cache, self.proposer, controller, self._now, self.prefix_cache, prefix_isolation)
+
+    def _new_cache(self, max_batch_size: int, row_tokens: int | None, row_len: int | None, widest: int):
+        """The target's cache, rows of `row_tokens // max_batch_size` slots (+ `widest`) while short sequences
+        run, and the proposer's own caches as long (+ what they keep beyond max_model_len + widest if more); and
+        the slots the scheduler shares among the rows (`row_tokens` scaled by the pads)."""
+        row_tokens = max_batch_size * self.max_model_len if row_tokens is None else row_tokens
+        short = min(self.max_model_len, row_tokens // max_batch_size, row_len or row_tokens)
+        if short < 1 or row_tokens < self.max_model_len:
+            raise ValueError(f"row_tokens {row_tokens} cannot hold one sequence of max_model_len {self.max_model_len}")
+        cache = self.target.new_cache(max_batch_size, short + widest)
+        for own in self.proposer.kv_caches.values():
+            margin = max(0, own.capacity - self.max_model_len - widest)
+            own.reshape(max_batch_size, cache.capacity + margin)
+        return cache, row_tokens * cache.capacity // short
+
+    # the scheduler's queue and batch, the prefix cache's isolation, and the controller's costs, seen from outside
+    max_batch_size = property(lambda self: self.scheduler.max_batch_size)
+    waiting = property(lambda self: self.scheduler.waiting)
+    running = property(lambda self: self.scheduler.running)
+    prefilling = property(lambda self: self.scheduler.prefilling)
+    prefix_isolation = property(lambda self: self.prefill.isolation)
+    costs = property(lambda self: self.controller.costs)
+
+    # ----------------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        grammar = request_grammar(prompt_token_ids, params, self.tokenizer, self.vocab_size, self.max_model_len)
+        seq = Sequence(request_id=request_id, prompt_ids=list(prompt_token_ids), params=params,
+                       generator=make_generator(params.seed), output=OutputText(self.tokenizer, params, self.eos_ids),
+                       tokens=list(prompt_token_ids), start_time=self._now(), estimate=self.controller.new_estimate(),
+                       logprobs=[] if params.logprobs is not None else None,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                       matcher=grammar.matcher() if grammar is not None else None, cache_salt=cache_salt)
+        seq.metrics.prompt_tokens = len(prompt_token_ids)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def num_queued(self) -> int:
+        """Waiting requests that the next step cannot start (see `Scheduler.num_queued`)."""
+        return self.scheduler.num_queued()
+
+    # ----------------------------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drop_aborted()
+        self._prefill()
+        if self.running:
+            outputs += self._decode(self.running)
+        outputs += [seq.report([]) for seq in self._failed]
+        self._failed.clear()
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self._release(seq)
+        return outputs
+
+    def _decode(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Propose, verify (one target pass for the batch), then for each sequence on its own: judge and
+        commit, append and report. A sequence whose own part raises is left out of what follows."""
+        ks = self.controller.choose([s.estimate for s in seqs], [s.params.max_tokens - s.num_output for s in seqs],
+                                    [self.max_model_len - len(s.tokens) for s in seqs])
+        t0 = self._now()
+        proposal = self.proposer.propose(seqs, ks)
+        drafts = self.controller.cut([verifiable(seq, d, self.vocab_size) for seq, d in zip(seqs, proposal.drafts)],
+                                     [s.estimate for s in seqs])
+        t1 = self._now()
+        target_logits, hidden = verify(self.target, self.cache, seqs, drafts)  # [B, T, V], [B, T, H]
+        t2 = self._now()
+        judged = [self._isolated(seq, self._judge, seq, draft, target_logits[b])
+                  for b, (seq, draft) in enumerate(zip(seqs, drafts))]
+        live = [b for b, j in enumerate(judged) if j is not None]
+        self.proposer.observe([seqs[b] for b in live], [drafts[b] for b in live], [judged[b][0] for b in live],
+                              [hidden[b, judged[b][2]] for b in live])
+        times = ((t1 - t0) / len(seqs), (t2 - t1) / len(seqs))
+        emitted = [self._isolated(seqs[b], self._emit, seqs[b], drafts[b], *judged[b], times) for b in live]
+        done = [b for b, out in zip(live, emitted) if out is not None]
+        self.controller.report(StepReport(
+            batch_size=len(seqs), k=max(ks), forward_seconds=proposal.forward_seconds,
+            rows=len(seqs) * (1 + max(len(d.tokens) for d in drafts)), verify_seconds=t2 - t1,
+            outcomes=[(seqs[b].estimate, drafts[b].depth, judged[b][0].num_accepted) for b in done],
+            kinds=[(seqs[b].estimate, drafts[b].kinds, judged[b][0].num_accepted) for b in done if drafts[b].kinds]))
+        return [out for out in emitted if out is not None]
+
+    def _judge(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor
+               ) -> tuple[Verdict, torch.Tensor | None, list[int]]:
+        """Accept or reject `draft` (target_logits [T, V]) and commit the kept slots of the pass: the verdict,
+        the log-probabilities of its rows (see `verification.accept`), and the pass rows `[last, *kept]`
+        committed, which scored the emitted tokens."""
+        verdict, logprobs = verification.accept(seq, draft, target_logits)
+        slots = [0] + [1 + i for i in verdict.kept()]
+        self.cache.commit(seq.row, slots)
+        return verdict, logprobs, slots
+
+    def _emit(self, seq: Sequence, draft: Draft, verdict: Verdict, logprobs: torch.Tensor | None, rows: list[int],
+              times: tuple[float, float]) -> RequestOutput:
+        """Append the verdict's tokens to `seq` (stop rules applied), record them, and report its output."""
+        new_ids = seq.output.append(verdict.output_tokens(draft.tokens))
+        seq.tokens += new_ids
+        if seq.matcher is not None:
+            seq.matcher.advance(new_ids)
+        if logprobs is not None:
+            seq.record_logprobs(logprobs[rows[:len(new_ids)]], new_ids)
+        seq.metrics.record_step(draft.depth, verdict.num_accepted, len(new_ids), draft.source)
+        seq.metrics.draft_time += times[0]
+        seq.metrics.target_time += times[1]
+        return seq.report(new_ids)
+
+    def _isolated(self, seq: Sequence, fn, *args):
+        """`fn(*args)`, a part of the step that concerns `seq` alone; None if it raised: then `seq` fails
+        (finish_reason "abort", `error` set; reported and released at the end of the step) and the others
+        go on. Example: a NaN in one sequence's probabilities makes its draw raise; only it ends."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            logger.exception("request %s failed in the engine; the other requests go on", seq.request_id)
+            seq.output.abort()
+            seq.error = f"{type(e).__name__}: {e}"
+            self._failed.append(seq)
+            return None
+
+    # ----------------------------------------------------------------------------------- joining
+    def _prefill(self) -> None:
+        """Feed joining sequences up to `prefill_chunk` prompt tokens in all (see `Prefill`), so that a long
+        prompt delays the running sequences' step by one chunk at most. Once all its prompt tokens but the
+        last are in the cache a sequence joins the batch (and decodes in this step), and the next waiting one
+        takes the rest of the budget.
+
+        Example, prefill_chunk 4, prompts of 10 and 3 tokens waiting (9 and 2 to feed): step 1 feeds tokens
+        0..3 of the first, step 2 tokens 4..7, step 3 token 8 (the first joins) and tokens 0..1 of the second
+        (it joins too).
+        """
+        budget, prefill = self.prefill_chunk, self.prefill
+        while True:
+            started = self.scheduler.prefilling is None
+            seq = self.scheduler.joining()
+            if seq is None:
+                return
+            batch = Joining(self.running, min(self.max_batch_size, len(self.running) + 1 + len(self.waiting)))
+            if started and prefill.caches_prefix(seq) and self._isolated(seq, prefill.restore, seq, batch) is None:
+                self._release(seq)
+                continue
+            fed = self._isolated(seq, prefill.feed, self.target, seq, budget, batch)
+            if fed is None:
+                self._release(seq)
+                continue
+            budget -= fed
+            if self.cache.lengths[seq.row] < len(seq.prompt_ids) - 1:
+                return  # the budget is spent
+            self.scheduler.join(seq)
+            if prefill.caches_prefix(seq):  # sequences joining later may share its prompt already
+                prefill.save(seq)
+
+    # ----------------------------------------------------------------------------------- leaving
+    def _release(self, seq: Sequence) -> None:
+        """Take `seq` (running or being prefilled) out of the batch: its whole blocks saved to the prefix cache
+        (unless it failed: its row may be half-written), its rows freed, its metrics added up."""
+        if self.prefill.caches_prefix(seq) and seq.error is None:
+            self.prefill.save(seq)
+        self.scheduler.remove(seq)
+        self.proposer.release(seq)
+        seq.metrics.total_time = self._now() - seq.start_time
+        self.metrics.merge(seq.metrics)
+
+    def _drop_aborted(self) -> list[RequestOutput]:
+        if not self._aborted:
+            return []
+        outputs = []
+        for seq in [s for s in self.waiting if s.request_id in self._aborted]:
+            self.scheduler.remove(seq)
+            seq.output.abort()
+            outputs.append(seq.report([]))
+        joining = [self.prefilling] if self.prefilling is not None else []
+        for seq in [s for s in self.running + joining if s.request_id in self._aborted]:
+            seq.output.abort()
+            self._release(seq)
+            outputs.append(seq.report([]))
+        self._aborted.clear()
+        return outputs

@@ -1,0 +1,87 @@
+"""Joining the batch: a sequence's prompt fed to the target chunk by chunk, or started from the longest
+cached prefix of it (`specdec.engine.prefix_cache`), and its whole blocks saved for later ones.
+
+The proposer is told of each chunk (`Proposer.read_prompt`: its hidden states, for proposers on the target's
+features; a draft model reads the chunk itself where that pays) and of each prefix restored or saved (its own
+K/V: `Proposer.restore_prefix`, `save_prefix`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specdec.engine.prefix_cache import PrefixCache
+from specdec.engine.verification import token_logprobs
+from specdec.models.kv_cache import KVCache
+from specdec.speculative.controller import SpeculationController
+from specdec.speculative.proposers import Joining, PromptChunk, Proposer
+
+
+class Prefill:
+    """Feeds prompts into the target's cache rows (and the proposer's), through the prefix cache if any."""
+
+    def __init__(self, cache: KVCache, proposer: Proposer, controller: SpeculationController,
+                 clock: Callable[[], float], prefix_cache: PrefixCache | None, isolation: str) -> None:
+        if isolation not in ("shared", "salt"):
+            raise ValueError(f'prefix_isolation must be "shared" or "salt", got {isolation!r}')
+        self.cache, self.proposer, self.controller = cache, proposer, controller
+        self.clock = clock
+        self.prefix_cache, self.isolation = prefix_cache, isolation
+
+    def feed(self, target, seq, budget: int, batch: Joining) -> int:
+        """Feed the next at most `budget` prompt tokens of `seq` to `target` (in its own row); returns how many."""
+        start = self.cache.lengths[seq.row]
+        stop = min(len(seq.prompt_ids) - 1, start + budget)
+        if stop <= start:
+            return 0
+        t0 = self.clock()
+        device = target.device
+        chunk = torch.tensor([seq.prompt_ids[start:stop]], device=device)
+        wants = seq.prompt_logprobs is not None
+        logits, hidden = target(chunk, torch.arange(start, stop, device=device)[None],
+                                     self.cache.row_view(seq.row), num_logits=stop - start if wants else 1,
+                                     return_hidden=True)
+        if wants:  # position i scores prompt token i + 1, under the model's raw distribution
+            seq.prompt_logprobs.extend(token_logprobs(torch.log_softmax(logits[0].float(), dim=-1),
+                                                      seq.prompt_ids[start + 1:stop + 1], seq.params.prompt_logprobs))
+        self.cache.advance(seq.row, stop - start)
+        t1 = self.clock()
+        seq.metrics.prefill_time += t1 - t0
+        self.controller.record_prefill("target", stop - start, t1 - t0)
+        self.proposer.read_prompt(PromptChunk(seq, start, stop, hidden[0], batch))
+        return stop - start
+
+    def caches_prefix(self, seq) -> bool:
+        """Whether `seq` reads and feeds the prefix cache (with isolation "salt": only salted requests)."""
+        return self.prefix_cache is not None and (self.isolation == "shared" or seq.cache_salt is not None)
+
+    def restore(self, seq, batch: Joining) -> int:
+        """Start `seq` from the longest cached prefix of its prompt but the last token, in whole blocks (as far
+        as the proposer can start from them): the target's K/V are copied into its row, and the proposer takes
+        its part (a draft model's K/V, or the target recomputes the prefix's last token for proposers on its
+        features). Returns how many prompt tokens it skips. A request with `prompt_logprobs` is never started
+        from the cache: its prompt's logits are wanted (vLLM does the same).
+
+        Example, block size 16, a 40-token prompt of which 32 are cached: plain decoding and draft models
+        prefill tokens 32..38; Medusa and EAGLE prefill tokens 31..38.
+        """
+        if seq.prompt_logprobs is not None:
+            return 0
+        pc, row = self.prefix_cache, seq.row
+        chain = pc.lookup(pc.keys(seq.prompt_ids[:-1], seq.cache_salt))
+        chain = chain[:self.proposer.usable_prefix(pc, chain)]
+        if not chain:
+            return 0
+        cached = self.proposer.restore_prefix(seq, pc, chain, pc.load("target", chain, self.cache, row), batch)
+        self.cache.truncate(row, cached)
+        seq.metrics.cached_tokens = cached
+        return cached
+
+    def save(self, seq) -> None:
+        """Save the whole blocks of `seq` that its row holds: the target's, and the proposer's as far as they go."""
+        pc, row = self.prefix_cache, seq.row
+        keys = pc.keys(seq.tokens[:self.cache.lengths[row]], seq.cache_salt)  # (it may hold tokens past a stop)
+        pc.save("target", keys, self.cache, row)
+        self.proposer.save_prefix(seq, pc, keys)
