@@ -7,9 +7,10 @@
    Goal: each answers in under 1 s (the chat request: its time to first token).
 2. A tokenize flood: 8 concurrent 3 MB `/tokenize` calls (English prose), beside one greedy stream. Goal:
    each refused (400, context_length_exceeded) in under 0.1 s; the stream's text and time as without it.
-3. The secret-confirmation probe through suffix drafts: a victim without a `cache_salt` has the model repeat
-   a sentence holding a secret; the prober, also unsalted, asks for the same repetition with the right
-   secret or a wrong one, and reads its own response's `specdec` field (target passes, accepted draft
+3. The secret-confirmation probe through suffix drafts: a victim without a `cache_salt` has the model write
+   a note holding a sentence with a secret; the prober, also unsalted, asks the model to repeat that
+   sentence with the right secret or a wrong one (its prompt shares no prefix with the victim's but the
+   chat template's system turn, so that the prefix cache, the other side channel, is not what is measured), and reads its own response's `specdec` field (target passes, accepted draft
    tokens) and its time. `--trials` victims with fresh secrets, one right and one wrong guess each. Run
    against the defaults (unsalted requests draft from their own prompt and output only), then, as the
    control that shows the probe would see a leak, against `--shared-suffix-cache`. Goal: with the defaults,
@@ -148,12 +149,17 @@ def secret_probe(url: str, trials: int, seed: int) -> dict:
     """Per trial: a victim's repetition with a fresh secret, then the prober's right and wrong guesses."""
     rng = random.Random(seed)
     secret = lambda: "".join(rng.choices(string.ascii_uppercase + string.digits, k=10))  # noqa: E731
+    # the victim's prompt and the prober's differ from their first word, so that the prefix cache (the other
+    # side channel, open by default as in vLLM: `--prefix-caching-isolation salt` closes it) shares only the
+    # chat template's system turn with either guess; what the prober could learn is the victim's output
+    note = "Write a short note for the operations team. It must contain this sentence word for word: {}"
     ask = "Repeat this sentence exactly, three times, one per line: {}"
     rows = {"right": [], "wrong": []}
-    for _ in range(trials):
+    for trial in range(trials):
         truth = secret()
-        chat(url, ask.format(SENTENCE.format(secret=truth)), max_tokens=96)
-        for kind, guess in (("right", truth), ("wrong", secret())):
+        chat(url, note.format(SENTENCE.format(secret=truth)), max_tokens=96)
+        guesses = [("right", truth), ("wrong", secret())]
+        for kind, guess in guesses if trial % 2 == 0 else guesses[::-1]:  # neither always goes first
             out = chat(url, ask.format(SENTENCE.format(secret=guess)), max_tokens=96)
             spec = out["specdec"]  # the response's own speculative statistics
             rows[kind].append((spec["target_passes"], spec["num_accepted_tokens"], out["seconds"]))
@@ -173,6 +179,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default="idle,flood,probe", help="which parts to run")
     args = ap.parse_args()
     MODEL[0] = args.model
     log_dir = tempfile.mkdtemp(prefix="specdec-hostile-")
@@ -181,17 +188,21 @@ def main() -> None:
     for name, serve_args in (("defaults", []), ("shared-suffix-cache", ["--shared-suffix-cache"])):
         proc, url = start_server(serve_args, log_dir, model=args.model)
         try:
-            if name == "defaults":
+            if name == "defaults" and "idle" in args.parts:
                 result["idle"] = idle_sockets(url, int(url.rsplit(":", 1)[1]), 300, args.idle_s)
                 print("idle sockets:", result["idle"], flush=True)
+            if name == "defaults" and "flood" in args.parts:
                 result["flood"] = tokenize_flood(url)
                 print("tokenize flood:", result["flood"], flush=True)
-            result[f"probe {name}"] = secret_probe(url, args.trials, args.seed)
+            if "probe" in args.parts:
+                result[f"probe {name}"] = secret_probe(url, args.trials, args.seed)
+            else:
+                break
         finally:
             proc.terminate()
             proc.wait(timeout=120)
     print(f"\n{'secret probe':28} {'guess':6} {'passes':>7} {'accepted':>9} {'seconds':>8}")
-    for name in ("defaults", "shared-suffix-cache"):
+    for name in ("defaults", "shared-suffix-cache") if "probe" in args.parts else ():
         for kind, row in result[f"probe {name}"].items():
             print(f"{name:28} {kind:6} {row['mean_passes']:7} {row['mean_accepted']:9} {row['mean_s']:8}")
     print(json.dumps(result))
