@@ -1,0 +1,117 @@
+"""Cache-aware routing of requests among engine replicas (`specdec serve --replicas N`).
+
+The ingress turns each generation request into its prompt's block keys: the chain hashes the prefix cache
+keys its blocks by (`specdec.prefix_cache.block_keys`, salted with the request's `cache_salt`), computed
+with the replicas' own tokenizer and chat template, so that a key names exactly a block a replica may hold.
+`BlockAffinityRouter`, a Ray Serve request router, remembers which replica each key was last sent to and
+sends a request to the replica holding its deepest (longest) cached prefix, unless that replica is busier
+than the least-loaded one by more than `imbalance` requests or full (`max_ongoing_requests`): then, and for
+a request with no key matching (a new conversation, or a body the ingress could not read), to the
+least-loaded replica.
+
+Example (block_size 16): turn 1 of a conversation (a 40-token prompt: keys k1 k2) goes to the least-loaded
+replica A, which records k1 k2 -> A. Turn 2 (the same 40 tokens, the answer, a new question: keys k1 k2 k3
+k4 k5) matches k2 -> A and goes to A, whose prefix cache holds blocks k1 k2 (and k3 k4 once turn 1's answer
+was saved); k1..k5 -> A. A Ray Serve default router (power of two choices) would send turn 2 to A or B at
+random, and B would prefill it all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from specdec.prefix_cache import BLOCK_SIZE, block_keys
+from specdec.server import anthropic
+from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from specdec.server.responses import ResponsesRequest
+
+MAX_REMEMBERED_KEYS = 1 << 20  # block keys the router remembers (about 100 MB), least recently routed dropped
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """What the router reads of a request: its prompt's block keys, first block first (empty: no affinity)."""
+
+    keys: tuple[bytes, ...] = field(default_factory=tuple)
+
+
+class PromptKeys:
+    """The block keys of a request body, as the replicas' prefix caches key its prompt.
+    `tokenizer` must be the replicas' (with their chat template); `special_text` their
+    `--special-tokens-in-messages`."""
+
+    def __init__(self, tokenizer, special_text: bool = False, block_size: int = BLOCK_SIZE):
+        self.tokenizer, self.special_text, self.block_size = tokenizer, special_text, block_size
+
+    def of(self, path: str, body: bytes) -> RouteHint:
+        """The hint for a request to `path` with JSON `body`; an empty hint for a route that generates nothing,
+        a body that does not parse (the replica answers its error), or a Responses request continuing a stored
+        response (its history is on the replica that stored it)."""
+        from specdec.server.app import _chat_prompt_ids, _completion_prompt_ids
+
+        try:
+            if path == "/v1/completions":
+                req = CompletionRequest.model_validate_json(body)
+                ids = _completion_prompt_ids(self.tokenizer, req.prompts()[0])
+            else:
+                req = self._chat_request(path, body)
+                if req is None:
+                    return RouteHint()
+                ids = _chat_prompt_ids(self.tokenizer, req.template_messages(), req.template_tools(),
+                                       special_text=self.special_text)
+        except (ValidationError, APIError, ValueError, IndexError):
+            return RouteHint()
+        return RouteHint(tuple(block_keys(ids, self.block_size, req.cache_salt)))
+
+    @staticmethod
+    def _chat_request(path: str, body: bytes) -> ChatCompletionRequest | None:
+        if path == "/v1/chat/completions":
+            return ChatCompletionRequest.model_validate_json(body)
+        if path == "/v1/messages":
+            return anthropic.MessagesRequest.model_validate_json(body).to_chat()
+        if path == "/v1/responses":
+            req = ResponsesRequest.model_validate_json(body)
+            return None if req.previous_response_id else req.to_chat([])
+        return None
+
+
+class KeyOwners:
+    """Block key -> the replica a request holding it was last sent to (an LRU map of `capacity` keys)."""
+
+    def __init__(self, capacity: int = MAX_REMEMBERED_KEYS):
+        self.capacity = capacity
+        self._owner: OrderedDict[bytes, str] = OrderedDict()
+
+    def deepest(self, keys: tuple[bytes, ...], live: set[str]) -> str | None:
+        """The live replica owning the deepest of `keys` (None if none does)."""
+        for key in reversed(keys):
+            owner = self._owner.get(key)
+            if owner in live:
+                return owner
+        return None
+
+    def record(self, keys: tuple[bytes, ...], replica: str) -> None:
+        for key in keys:
+            self._owner[key] = replica
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+
+def choose(keys: tuple[bytes, ...], owners: KeyOwners, queue_lens: dict[str, int | None],
+           imbalance: int) -> list[list[str]]:
+    """The ranks of replicas to try (Ray Serve tries a rank's least-loaded replica that is not full, then the
+    next rank): the owner of the deepest key first, unless its queue is longer than the shortest by more
+    than `imbalance` (an unknown length counts as 0); then every replica.
+    Example: owners {k2: "A"}, keys (k1, k2, k3), queues {"A": 3, "B": 1}, imbalance 4 -> [["A"], ["A", "B"]]."""
+    everyone = sorted(queue_lens)
+    owner = owners.deepest(keys, set(everyone)) if keys else None
+    if owner is None:
+        return [everyone]
+    lens = {r: n or 0 for r, n in queue_lens.items()}
+    if lens[owner] - min(lens.values()) > imbalance:
+        return [everyone]
+    return [[owner], everyone]
