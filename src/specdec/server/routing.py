@@ -18,6 +18,7 @@ random, and B would prefill it all.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -79,39 +80,45 @@ class PromptKeys:
 
 
 class KeyOwners:
-    """Block key -> the replica a request holding it was last sent to (an LRU map of `capacity` keys)."""
+    """Block key -> the replicas requests holding it were sent to (an LRU map of `capacity` keys)."""
 
     def __init__(self, capacity: int = MAX_REMEMBERED_KEYS):
         self.capacity = capacity
-        self._owner: OrderedDict[bytes, str] = OrderedDict()
+        self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
 
-    def deepest(self, keys: tuple[bytes, ...], live: set[str]) -> str | None:
-        """The live replica owning the deepest of `keys` (None if none does)."""
-        for key in reversed(keys):
-            owner = self._owner.get(key)
-            if owner in live:
-                return owner
-        return None
+    def deepest(self, keys: tuple[bytes, ...], live: set[str]) -> tuple[int, set[str]]:
+        """How many of `keys` the best live replicas hold (a key's chain hash implies every key before it),
+        and which replicas those are; (0, set()) when none holds the first."""
+        for depth in range(len(keys), 0, -1):
+            holders = self._holders.get(keys[depth - 1], set()) & live
+            if holders:
+                return depth, holders
+        return 0, set()
 
     def record(self, keys: tuple[bytes, ...], replica: str) -> None:
         for key in keys:
-            self._owner[key] = replica
-            self._owner.move_to_end(key)
-        while len(self._owner) > self.capacity:
-            self._owner.popitem(last=False)
+            self._holders.setdefault(key, set()).add(replica)
+            self._holders.move_to_end(key)
+        while len(self._holders) > self.capacity:
+            self._holders.popitem(last=False)
 
 
 def choose(keys: tuple[bytes, ...], owners: KeyOwners, queue_lens: dict[str, int | None],
            imbalance: int) -> list[list[str]]:
-    """The ranks of replicas to try (Ray Serve tries a rank's least-loaded replica that is not full, then the
-    next rank): the owner of the deepest key first, unless its queue is longer than the shortest by more
-    than `imbalance` (an unknown length counts as 0); then every replica.
-    Example: owners {k2: "A"}, keys (k1, k2, k3), queues {"A": 3, "B": 1}, imbalance 4 -> [["A"], ["A", "B"]]."""
-    everyone = sorted(queue_lens)
-    owner = owners.deepest(keys, set(everyone)) if keys else None
-    if owner is None:
+    """The ranks of replicas to try (Ray Serve tries a rank's least-loaded replica that is not full, the first
+    of equals, then the next rank): the replica holding the most of `keys` first, unless its queue is longer
+    than the shortest by more than `imbalance` (an unknown length counts as 0); then every replica. Ties (a
+    shared system prompt held by several replicas; nothing held) are broken by rendezvous hashing on the first
+    key past the held ones, so that new conversations spread evenly.
+    Example: owners {k1: {A, B}, k2: {A}}, keys (k1, k2, k3), queues {"A": 3, "B": 1}, imbalance 4 ->
+    [["A"], [A, B in k3's rendezvous order]]."""
+    depth, holders = owners.deepest(keys, set(queue_lens))
+    tiebreak = keys[min(depth, len(keys) - 1)] if keys else b""
+    everyone = sorted(queue_lens, key=lambda replica: hashlib.sha256(tiebreak + replica.encode()).digest())
+    best = next((replica for replica in everyone if replica in holders), None)
+    if best is None:
         return [everyone]
     lens = {r: n or 0 for r, n in queue_lens.items()}
-    if lens[owner] - min(lens.values()) > imbalance:
+    if lens[best] - min(lens.values()) > imbalance:
         return [everyone]
-    return [[owner], everyone]
+    return [[best], everyone]
