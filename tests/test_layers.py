@@ -4,7 +4,8 @@
 A unit is a subpackage (`specdec.models`, `specdec.heads`, ...) or a module directly under `specdec`
 (`specdec.engine`, `specdec.api`, ...). Bottom to top, roughly: config, cache, kernels -> models -> heads ->
 speculative -> the engine's parts (scheduler, output_text, verification, prefix_cache) -> engine -> api ->
-llm_args -> server, bench, training -> cli; testing (helpers of the tests and benchmarks) is imported by none
+llm_args -> server, bench, training -> cli, deploy (Ray Serve's application); parallel (tensor parallelism)
+sits on models; testing (helpers of the tests and benchmarks) is imported by none
 of them.
 """
 
@@ -24,6 +25,10 @@ ROOT = Path(specdec.__file__).parent
 FORBIDDEN = {
     "models": {"speculative", "heads", "engine", "api", "server", "bench", "training", "cli", "llm_args"},
     "heads": {"speculative", "engine", "api", "server", "bench", "training", "cli", "llm_args"},
+    # tensor parallelism shards the models; the engine and the server will use it, never the other way
+    "parallel": {"speculative", "heads", "engine", "api", "server", "bench", "training", "cli", "llm_args", "deploy"},
+    # the Ray Serve application sits on top of the server; nothing in the package imports it
+    **{unit: {"deploy"} for unit in ("server", "api", "engine", "cli", "bench", "llm_args")},
     "engine": {"api", "server", "bench", "training", "cli", "llm_args"},
     # the engine's parts, below it
     **{part: {"engine", "api", "server", "bench", "training", "cli", "llm_args"}
