@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -120,22 +121,53 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+class Killer(threading.Thread):
+    """`after` seconds into the run, SIGKILLs the replica of rank 0 and times its return: `recovered_s`, from
+    the kill to /health answering 200 with a new process in rank 0."""
+
+    def __init__(self, url: str, after: float):
+        super().__init__(daemon=True)
+        self.url, self.after, self.recovered_s = url, after, None
+
+    def run(self) -> None:
+        time.sleep(self.after)
+        victim = next(r["pid"] for r in httpx.get(f"{self.url}/replicas", timeout=30).json()["replicas"]
+                      if r["rank"] == 0)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 600:
+            listed = httpx.get(f"{self.url}/replicas", timeout=30).json()["replicas"]
+            if httpx.get(f"{self.url}/health", timeout=30).status_code == 200 and \
+                    victim not in {r["pid"] for r in listed}:
+                self.recovered_s = time.monotonic() - killed
+                return
+            time.sleep(0.5)
+
+
 def measure(name: str, args: argparse.Namespace) -> dict:
     url = f"http://127.0.0.1:{args.port}"
+    base, _, kill = name.partition("+")
     with open(f"{args.log_dir}/{name}.log", "w") as log:
-        proc = start_server(args.model, SERVERS[name], args.port, args.threads, log)
+        proc = start_server(args.model, SERVERS[base], args.port, args.threads, log)
         try:
             warm = conversations(1)  # one request first, unmeasured: the same for every server
             asyncio.run(run_workload(url, args.model, warm, 1, 1, 4))
             queries, hits = settled_counters(url)
+            killer = Killer(url, args.kill_after) if kill else None
+            if killer:
+                killer.start()
             results, seconds = asyncio.run(run_workload(url, args.model, conversations(args.conversations),
                                                         args.turns, args.concurrency, args.max_tokens))
+            if killer:
+                killer.join()
             queries_after, hits_after = settled_counters(url)
         finally:
             stop_server(proc)
     row = {"server": name, **summarize(results, seconds),
            "prefix_hit_rate": (hits_after - hits) / max(queries_after - queries, 1.0),
            "prompt_tokens": queries_after - queries}
+    if killer:
+        row["killed_replica_back_s"] = killer.recovered_s
     print(f"{name}: {row['throughput']:.2f} tokens/s, hit rate {row['prefix_hit_rate']:.3f}, "
           f"{len(row['errors'])} errors", file=sys.stderr, flush=True)
     return row
@@ -154,7 +186,10 @@ def table(rows: list[dict]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    parser.add_argument("--servers", default=",".join(SERVERS),
+                        help=f"comma-separated, of {', '.join(SERVERS)}; NAME+kill: SIGKILL its replica of rank 0 "
+                             "--kill-after seconds into the run")
+    parser.add_argument("--kill-after", type=float, default=20.0)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -164,15 +199,19 @@ def main() -> int:
     parser.add_argument("--log-dir", default="/tmp", help="where each server's output goes (NAME.log)")
     args = parser.parse_args()
     names = [n for n in args.servers.split(",") if n]
-    unknown = sorted(set(names) - set(SERVERS))
+    unknown = sorted({n.removesuffix("+kill") for n in names} - set(SERVERS))
     if unknown:
         parser.error(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(SERVERS)}")
     rows = [measure(name, args) for name in names]
+    for r in rows:
+        if "killed_replica_back_s" in r:
+            print(f"{r['server']}: {len(r['errors'])} failed requests ({', '.join(sorted(set(r['errors'])))}); the "
+                  f"killed replica answered again after {r['killed_replica_back_s']} s")
     print("\n".join(table(rows)))
     print(json.dumps({"benchmark": "replicas", "model": args.model, "conversations": args.conversations,
                       "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                       "threads": args.threads, "results": rows}))
-    return 0 if not any(r["errors"] for r in rows) else 1
+    return 0 if not any(r["errors"] for r in rows if "killed_replica_back_s" not in r) else 1
 
 
 if __name__ == "__main__":

@@ -260,3 +260,17 @@ def test_the_serve_run_application_reads_the_serve_flags():
         app({"flags": "--routing nearest"})
     with pytest.raises(ValueError, match="--replicas"):
         app({"flags": "--replicas 0"})
+
+
+def aborted(client: httpx.Client) -> float:
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return sum(s.value for f in families for s in f.samples
+               if s.name == "specdec:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request_on_the_replica(replicas):
+    before = settled(lambda: aborted(replicas))
+    body = chat(conversation(400, 1), max_tokens=700, ignore_eos=True, stream=True)
+    with replicas.stream("POST", CHAT, json=body) as stream:
+        assert next(stream.iter_lines()).startswith("data: ")
+    wait_until(lambda: aborted(replicas) == before + 1, "the replica counting the stream as aborted", timeout=20)

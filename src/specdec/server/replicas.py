@@ -17,6 +17,7 @@ requests not yet sent to a replica wait in the ingress's router for a live one.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import os
 import threading
@@ -199,8 +200,6 @@ class Ingress:
             {"replica": r.replica, "rank": r.rank, "pid": r.pid, "healthy": r.healthy} for r in reports]})
 
     async def forward(self, request: Request) -> Response:
-        import asyncio
-
         body = await request.body()
         forwarded = ForwardedRequest.of(request.scope, body)
         hint = await asyncio.to_thread(self.keys.of, forwarded.path, body) if self.keys else RouteHint()
@@ -223,7 +222,8 @@ def build_application(spec: ReplicaSpec):
     max_ongoing = args.replica_max_ongoing_requests or 2 * args.max_num_seqs
     options = dict(num_replicas=args.replicas, max_ongoing_requests=max_ongoing,
                    max_queued_requests=args.max_waiting_requests * args.replicas,
-                   ray_actor_options={"num_cpus": args.replica_threads})
+                   ray_actor_options={"num_cpus": args.replica_threads},
+                   graceful_shutdown_timeout_s=args.shutdown_timeout)
     if args.routing == "affinity":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=BlockAffinityRouter, request_router_kwargs={"imbalance": args.max_num_seqs})
