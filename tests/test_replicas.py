@@ -62,6 +62,7 @@ def test_choose_sends_to_the_replica_holding_most_blocks_unless_it_is_too_busy()
     assert ranks((b"x",), {"A": 0, "B": 0}) == [["A", "B"]]  # nothing held
     assert ranks((), {"A": 0, "B": 0}) == [["A", "B"]]  # no hint
     assert ranks((b"k1", b"k2"), {"B": 0, "C": 0}) == [["B"], ["B", "C"]]  # A is gone: B holds k1
+    assert ranks((b"k1", b"k2", b"x", b"y", b"z"), {"A": 1, "B": 0}) == [["A", "B"]]  # A holds 2 of 5: new
     tied = choose((b"k1", b"k9"), owners, {"A": 0, "B": 0}, 4)  # both hold k1: k9's rendezvous order decides
     assert tied[0][0] in "AB" and tied[1][0] == tied[0][0]
 

@@ -72,7 +72,7 @@ class BlockAffinityRouter(RequestRouter):
     """Ray Serve request router for `--routing affinity` (`specdec.server.routing.choose`), learning which
     replica holds which blocks as it routes. Reads the `RouteHint` passed first in the handle call."""
 
-    def initialize_state(self, imbalance: int = 8) -> None:
+    def initialize_state(self, imbalance: int = 2) -> None:
         self.imbalance = imbalance
         self.owners = KeyOwners()
 
@@ -226,7 +226,8 @@ def build_application(spec: ReplicaSpec):
                    graceful_shutdown_timeout_s=args.shutdown_timeout)
     if args.routing == "affinity":
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=BlockAffinityRouter, request_router_kwargs={"imbalance": args.max_num_seqs})
+            request_router_class=BlockAffinityRouter,
+            request_router_kwargs={"imbalance": max(1, args.max_num_seqs // 2)})
     board = Board.bind()
     return Ingress.bind(spec, EngineReplica.options(**options).bind(spec, board), board)
 

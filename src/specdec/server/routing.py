@@ -3,11 +3,11 @@
 The ingress turns each generation request into its prompt's block keys: the chain hashes the prefix cache
 keys its blocks by (`specdec.prefix_cache.block_keys`, salted with the request's `cache_salt`), computed
 with the replicas' own tokenizer and chat template, so that a key names exactly a block a replica may hold.
-`BlockAffinityRouter`, a Ray Serve request router, remembers which replica each key was last sent to and
-sends a request to the replica holding its deepest (longest) cached prefix, unless that replica is busier
-than the least-loaded one by more than `imbalance` requests or full (`max_ongoing_requests`): then, and for
-a request with no key matching (a new conversation, or a body the ingress could not read), to the
-least-loaded replica.
+`BlockAffinityRouter`, a Ray Serve request router, remembers which replicas each key was sent to and sends
+a request to the replica holding its longest cached prefix, if that is at least half the prompt and the
+replica is not busier than the least-loaded one by more than `imbalance` requests nor full
+(`max_ongoing_requests`); otherwise (a new conversation, whose only cached blocks are a shared system
+prompt; a body the ingress could not read) to the least-loaded replica.
 
 Example (block_size 16): turn 1 of a conversation (a 40-token prompt: keys k1 k2) goes to the least-loaded
 replica A, which records k1 k2 -> A. Turn 2 (the same 40 tokens, the answer, a new question: keys k1 k2 k3
@@ -30,6 +30,7 @@ from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionR
 from specdec.server.responses import ResponsesRequest
 
 MAX_REMEMBERED_KEYS = 1 << 20  # block keys the router remembers (about 100 MB), least recently routed dropped
+MIN_MATCH = 0.5  # the share of a prompt's blocks a replica must hold to be preferred (SGLang's cache_threshold)
 
 
 @dataclass(frozen=True)
@@ -103,20 +104,21 @@ class KeyOwners:
             self._holders.popitem(last=False)
 
 
-def choose(keys: tuple[bytes, ...], owners: KeyOwners, queue_lens: dict[str, int | None],
-           imbalance: int) -> list[list[str]]:
+def choose(keys: tuple[bytes, ...], owners: KeyOwners, queue_lens: dict[str, int | None], imbalance: int,
+           min_match: float = MIN_MATCH) -> list[list[str]]:
     """The ranks of replicas to try (Ray Serve tries a rank's least-loaded replica that is not full, the first
-    of equals, then the next rank): the replica holding the most of `keys` first, unless its queue is longer
-    than the shortest by more than `imbalance` (an unknown length counts as 0); then every replica. Ties (a
-    shared system prompt held by several replicas; nothing held) are broken by rendezvous hashing on the first
+    of equals, then the next rank): the replica holding the most of `keys` first, if it holds at least
+    `min_match` of them (less is a new conversation sharing a system prompt: load matters more) and its queue
+    is not longer than the shortest by more than `imbalance` (an unknown length counts as 0); then every
+    replica. Ties (a prefix several replicas hold; nothing held) are broken by rendezvous hashing on the first
     key past the held ones, so that new conversations spread evenly.
     Example: owners {k1: {A, B}, k2: {A}}, keys (k1, k2, k3), queues {"A": 3, "B": 1}, imbalance 4 ->
-    [["A"], [A, B in k3's rendezvous order]]."""
+    [["A"], [A, B in k3's rendezvous order]] (A holds 2 of 3 keys)."""
     depth, holders = owners.deepest(keys, set(queue_lens))
     tiebreak = keys[min(depth, len(keys) - 1)] if keys else b""
     everyone = sorted(queue_lens, key=lambda replica: hashlib.sha256(tiebreak + replica.encode()).digest())
     best = next((replica for replica in everyone if replica in holders), None)
-    if best is None:
+    if best is None or depth < min_match * len(keys):
         return [everyone]
     lens = {r: n or 0 for r, n in queue_lens.items()}
     if lens[best] - min(lens.values()) > imbalance:
