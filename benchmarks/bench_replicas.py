@@ -12,6 +12,11 @@ hit rate over the run (cached prompt tokens / prompt tokens, from /metrics, summ
     python benchmarks/bench_replicas.py                       # the 0.5B model, 8 x 4 turns, 4 clients
     python benchmarks/bench_replicas.py --servers replicas2-default,replicas2-affinity --conversations 16
 
+    python benchmarks/bench_replicas.py --servers replicas2-default,replicas2-affinity --long-turns
+
+`--long-turns` pastes another function into each follow-up, as an agent pastes files and tool outputs: each
+turn then adds more to the history than the opening holds, which is where routing matters most.
+
 Prints a table, then one JSON line.
 """
 
@@ -52,8 +57,18 @@ def conversations(n: int) -> list[list[dict]]:
             for i in range(n)]
 
 
+def follow_up(i: int, turn: int, long_turns: bool) -> str:
+    """Turn `turn` of conversation i: a short question; with `long_turns`, also another function pasted in
+    (as an agent pastes a file or a tool's output), so that each turn adds ~150 tokens to the history."""
+    question = FOLLOW_UPS[(i + turn) % len(FOLLOW_UPS)]
+    if not long_turns:
+        return question
+    functions = [p.prompt for p in dataset_prompts("humaneval")]
+    return f"Here is a related function:\n```python\n{functions[(37 * i + turn) % len(functions)]}```\n{question}"
+
+
 async def run_workload(url: str, model: str, openings: list[list[dict]], turns: int, concurrency: int,
-                       max_tokens: int) -> tuple[list[dict], float]:
+                       max_tokens: int, long_turns: bool = False) -> tuple[list[dict], float]:
     """Every conversation's turns in order, `concurrency` conversations at a time: the results and wall time."""
     todo = list(enumerate(openings))
     results: list[dict] = []
@@ -63,7 +78,7 @@ async def run_workload(url: str, model: str, openings: list[list[dict]], turns: 
             i, history = todo.pop(0)
             for turn in range(turns):
                 if turn:
-                    history.append({"role": "user", "content": FOLLOW_UPS[(i + turn) % len(FOLLOW_UPS)]})
+                    history.append({"role": "user", "content": follow_up(i, turn, long_turns)})
                 out = await one_request(http, url, model, Prompt(messages=tuple(history)), max_tokens, 0.0)
                 results.append(out)
                 history.append({"role": "assistant", "content": out["text"]})
@@ -157,7 +172,8 @@ def measure(name: str, args: argparse.Namespace) -> dict:
             if killer:
                 killer.start()
             results, seconds = asyncio.run(run_workload(url, args.model, conversations(args.conversations),
-                                                        args.turns, args.concurrency, args.max_tokens))
+                                                        args.turns, args.concurrency, args.max_tokens,
+                                                        args.long_turns))
             if killer:
                 killer.join()
             queries_after, hits_after = settled_counters(url)
@@ -194,6 +210,8 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--long-turns", action="store_true",
+                        help="paste another function into every follow-up (~150 tokens a turn)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each engine (replica)")
     parser.add_argument("--port", type=int, default=8471)
     parser.add_argument("--log-dir", default="/tmp", help="where each server's output goes (NAME.log)")
@@ -210,6 +228,7 @@ def main() -> int:
     print("\n".join(table(rows)))
     print(json.dumps({"benchmark": "replicas", "model": args.model, "conversations": args.conversations,
                       "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                      "long_turns": args.long_turns,
                       "threads": args.threads, "results": rows}))
     return 0 if not any(r["errors"] for r in rows if "killed_replica_back_s" not in r) else 1
 
