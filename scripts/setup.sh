@@ -13,7 +13,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
   # multi-GB CUDA build there. Where a CUDA build is wanted, install it into .venv before this script.
   $PY -m pip install -q "torch==2.13.0"
 fi
-if ! $PY -c "import specdec, fastapi, transformers, openai, pytest, llguidance, matplotlib" 2>/dev/null; then
+if ! $PY -c "import specdec, fastapi, transformers, openai, pytest, llguidance, matplotlib, ray.serve" 2>/dev/null; then
   $PY -m pip install -q -e ".[dev]"
 fi
 if [ "${SPECDEC_SKIP_PULL:-0}" != "1" ]; then

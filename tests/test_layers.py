@@ -4,8 +4,9 @@
 A unit is a subpackage (`specdec.models`, `specdec.engine`, ...) or a module directly under `specdec`
 (`specdec.api`, ...). Bottom to top, roughly: config, sampling, kernels -> models (with their K/V cache) ->
 heads -> speculative -> engine (the package of the engine's parts: scheduler, verification, output text, stops,
-prefix cache, memory plan) -> fan_out (n / best_of) -> api -> llm_args -> server, bench, training -> cli;
-testing (helpers of the tests and benchmarks) is imported by none of them.
+prefix cache, memory plan) -> fan_out (n / best_of) -> api -> llm_args -> server, bench, training -> cli,
+deploy (Ray Serve's application); parallel (tensor parallelism) sits on models; testing (helpers of the tests
+and benchmarks) is imported by none of them.
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ FORBIDDEN = {
     "models": {"speculative", "heads", "engine", *ABOVE_ENGINE},
     "heads": {"speculative", "engine", *ABOVE_ENGINE},
     "speculative": {"engine", *ABOVE_ENGINE},
-    "engine": ABOVE_ENGINE,  # the engine's parts included: nothing in specdec/engine imports upward
+    "engine": {*ABOVE_ENGINE, "deploy"},  # the engine's parts included: nothing in specdec/engine imports upward
     "fan_out": ABOVE_ENGINE - {"fan_out"},
+    # tensor parallelism shards the models; the engine and the server will use it, never the other way
+    "parallel": {"speculative", "heads", "engine", "deploy", *ABOVE_ENGINE},
+    # the Ray Serve application sits on top of the server; nothing in the package imports it
+    **{unit: {"deploy"} for unit in ("server", "api", "cli", "bench", "llm_args")},
 }
 # the modules directly under specdec: the entry points and the few primitives under everything
-ROOT_MODULES = {"__init__", "__main__", "config", "sampling", "fan_out", "api", "llm_args", "cli"}
+ROOT_MODULES = {"__init__", "__main__", "config", "sampling", "fan_out", "api", "llm_args", "cli", "deploy"}
 
 
 def module_name(path: Path) -> str:

@@ -39,41 +39,12 @@ from specdec.server.app import build_app
 from specdec.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specdec.server.cli import add_serve_arguments
 from specdec.server.limits import uvicorn_config
+from specdec.testing.byte_tokenizer import EOS, ByteTokenizer
 
-EOS = 256
 MODEL = "fake-model"
 
 
 # ---- the fake engine ------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """Token i < 256 is byte i; 256 is EOS. A multi-byte character spans several tokens."""
-
-    eos_token_ids = (EOS,)
-    vocab_size = 257
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
-
-    def fewest_tokens(self, text: str) -> int:
-        return len(text)  # a character is one to four bytes
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
-        if messages[0]["role"] == "assistant":
-            raise ValueError("Conversations must start with a user or system message")
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, special_text: bool = False,
-                    tools=None):
-        return [(self.apply_chat_template(messages, add_generation_prompt, tools), True)]  # no special tokens here
-
-    def encode_parts(self, parts) -> list[int]:
-        return [t for text, _ in parts for t in self.encode(text)]
 
 
 def reply_for(prompt_text: str) -> str:

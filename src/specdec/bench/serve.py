@@ -35,12 +35,13 @@ def first_model(url: str, headers: dict) -> str:
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: Prompt, max_tokens: int,
                       temperature: float) -> dict:
-    """One streaming request: its TTFT, TPOT, output tokens (from the usage chunk), end time and error (or None)."""
+    """One streaming request: its TTFT, TPOT, output tokens (from the usage chunk), end time, error (or None)
+    and text."""
     chat = prompt.messages is not None
     body = {"model": model, **prompt.request_body(), "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, tokens, error = None, 0, None
+    first, tokens, error, parts = None, 0, None, []
     async with client.stream("POST", f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -52,12 +53,13 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: P
             text = choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")
             if text and first is None:
                 first = time.perf_counter()
+            parts.append(text or "")
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = first or end
     return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens, "end": end,
-            "error": error if r.status_code == 200 else f"HTTP {r.status_code}"}
+            "error": error if r.status_code == 200 else f"HTTP {r.status_code}", "text": "".join(parts)}
 
 
 async def run_round(url: str, model: str, prompts: list[Prompt], concurrency: int, per_client: int,

@@ -9,6 +9,10 @@
     limits.py         deadlines for reading a request (head, body) and the limit on requests in flight
     metrics.py        Prometheus metrics with vLLM's names under `specdec:`
     cli.py            `add_serve_arguments` / `run_serve`: the command line
+    replicas.py       `serve --replicas N`: engine replicas as Ray Serve deployments behind an ingress
+    routing.py        cache-aware routing: a prompt's prefix-cache block keys, the replica holding most of them
+    forwarding.py     a request carried to a replica and answered there by its own app (ASGI in memory)
+    metrics_merge.py  the replicas' Prometheus metrics summed into one server's
 """
 
 DEFAULT_CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens (vLLM: the rest of the context; bounded here)

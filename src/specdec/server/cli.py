@@ -95,7 +95,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "(a GGUF file has none), a FOLDER reads its own, 'vllm' uses none (as in vLLM)")
     parser.add_argument("--override-generation-config", default=None, metavar="JSON",
                         help="default sampling parameters set on top, e.g. '{\"temperature\": 0.5}'")
+    add_replica_arguments(parser.add_argument_group("replicas (Ray Serve; docs/replicas.md)"))
     return add_llm_arguments(parser)
+
+
+def add_replica_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                       help="serve N engine replicas as Ray Serve deployments behind one HTTP address (a local Ray "
+                            "unless RAY_ADDRESS names a cluster); default: one engine in this process, no Ray")
+    group.add_argument("--routing", choices=("affinity", "default"), default="affinity",
+                       help="with --replicas: 'affinity' sends a request to the replica holding its prompt's "
+                            "cached prefix unless that one is saturated (then the least-loaded); 'default' is Ray "
+                            "Serve's power-of-two-choices router (default: affinity)")
+    group.add_argument("--replica-threads", type=positive_int, default=1, metavar="T",
+                       help="with --replicas: CPU threads (and Ray CPUs) of each replica (default 1)")
+    group.add_argument("--replica-max-ongoing-requests", type=positive_int, default=None, metavar="N",
+                       help="with --replicas: requests a replica takes at once; past it a replica counts as "
+                            "saturated and Ray Serve sends elsewhere or queues (default: twice --max-num-seqs)")
 
 
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -144,6 +160,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     target = args.model or DEFAULT_TARGET
     draft = args.speculative_model  # none given: auto speculation (the suffix tries and the target's heads)
+    if args.replicas is not None and not args.dry_run:
+        from specdec.server.replicas import ReplicaSpec, serve_replicas
+
+        return serve_replicas(ReplicaSpec(args))
     from specdec.engine.memory import MemoryBudgetError
 
     try:
@@ -157,6 +177,43 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     return _serve(llm, names, args, defaults)
+
+
+def load_engine(args: argparse.Namespace) -> tuple[Any, list[str], dict[str, Any]]:
+    """An engine replica's (`specdec.server.replicas`): the engine the flags describe, the served names and
+    `build_app`'s options."""
+    from specdec.api import DEFAULT_TARGET
+
+    target = args.model or DEFAULT_TARGET
+    llm = load_for_serving(args, target, args.speculative_model)
+    defaults = generation_defaults(args, getattr(llm, "target_path", target))
+    return llm.engine, args.served_model_name or [target], app_options(args, llm, target, defaults)
+
+
+def load_tokenizer(args: argparse.Namespace):
+    """The ingress's tokenizer (`specdec.server.replicas`): the target's, with --chat-template, no weights."""
+    from specdec.api import DEFAULT_TARGET
+    from specdec.llm_args import pull_if_needed
+    from specdec.models.gguf_file import GGUFFile
+    from specdec.models.store import resolve_model
+    from specdec.models.tokenizer import Tokenizer
+
+    target = args.model or DEFAULT_TARGET
+    pull_if_needed(target)
+    path = resolve_model(target)
+    tokenizer = Tokenizer.from_gguf(GGUFFile(path)) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
+    if args.chat_template is not None:
+        tokenizer.set_chat_template(read_chat_template(args.chat_template))
+    return tokenizer
+
+
+def app_options(args: argparse.Namespace, llm, name: str, sampling_defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """`build_app`'s keyword arguments from the flags (the engine and the names aside)."""
+    return dict(api_key=args.api_key, model_root=str(getattr(llm, "target_path", name)),
+                sampling_defaults=sampling_defaults, default_max_tokens=args.default_max_tokens,
+                special_tokens_in_messages=args.special_tokens_in_messages,
+                limit_concurrency=args.limit_concurrency, timeout_body=args.timeout_body,
+                public_metrics=args.public_metrics, lenient_json_schemas=args.lenient_json_schemas)
 
 
 def load_for_serving(args: argparse.Namespace, target: str, draft: str | None):
@@ -184,11 +241,7 @@ def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: d
     from specdec.server.limits import uvicorn_config
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
-    app = build_app(engine, names, api_key=args.api_key, model_root=str(getattr(llm, "target_path", names[0])),
-                    sampling_defaults=sampling_defaults, default_max_tokens=args.default_max_tokens,
-                    special_tokens_in_messages=args.special_tokens_in_messages,
-                    limit_concurrency=args.limit_concurrency, timeout_body=args.timeout_body,
-                    public_metrics=args.public_metrics, lenient_json_schemas=args.lenient_json_schemas)
+    app = build_app(engine, names, **app_options(args, llm, names[0], sampling_defaults))
     config = uvicorn_config(app, args.host, args.port, timeout_headers=args.timeout_headers,
                             timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_log_requests, timeout_graceful_shutdown=10)
