@@ -145,15 +145,16 @@ def tokenize_flood(url: str, calls: int = 8, size: int = 3_000_000) -> dict:
             "stream_s_alone": round(alone["seconds"], 2), "stream_s_beside": round(beside["seconds"], 2)}
 
 
-def secret_probe(url: str, trials: int, seed: int) -> dict:
+def secret_probe(url: str, trials: int, seed: int, victim: str = "note") -> dict:
     """Per trial: a victim's repetition with a fresh secret, then the prober's right and wrong guesses."""
     rng = random.Random(seed)
     secret = lambda: "".join(rng.choices(string.ascii_uppercase + string.digits, k=10))  # noqa: E731
     # the victim's prompt and the prober's differ from their first word, so that the prefix cache (the other
     # side channel, open by default as in vLLM: `--prefix-caching-isolation salt` closes it) shares only the
     # chat template's system turn with either guess; what the prober could learn is the victim's output
-    note = "Write a short note for the operations team. It must contain this sentence word for word: {}"
     ask = "Repeat this sentence exactly, three times, one per line: {}"
+    note = ask if victim == "repeat" else \
+        "Write a short note for the operations team. It must contain this sentence word for word: {}"
     rows = {"right": [], "wrong": []}
     for trial in range(trials):
         truth = secret()
@@ -180,6 +181,10 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", default="idle,flood,probe", help="which parts to run")
+    ap.add_argument("--victim", choices=("note", "repeat"), default="note",
+                    help="the victim's request: a note holding the sentence (no prompt prefix shared with the "
+                         "prober's), or the very repetition the prober asks for (the same prompt: the prefix "
+                         "cache's channel adds to the time, not to the passes)")
     args = ap.parse_args()
     MODEL[0] = args.model
     log_dir = tempfile.mkdtemp(prefix="specdec-hostile-")
@@ -195,7 +200,8 @@ def main() -> None:
                 result["flood"] = tokenize_flood(url)
                 print("tokenize flood:", result["flood"], flush=True)
             if "probe" in args.parts:
-                result[f"probe {name}"] = secret_probe(url, args.trials, args.seed)
+                result[f"probe {name}"] = secret_probe(url, args.trials, args.seed, args.victim)
+                print(f"probe {name}:", result[f"probe {name}"], flush=True)
             else:
                 break
         finally:

@@ -204,7 +204,7 @@ def test_a_tokenize_flood_is_refused_at_once_and_disturbs_no_one(server, monkeyp
     """8 concurrent 3 MB prompts to /tokenize (ASCII, and 2-byte characters sent as raw UTF-8): each refused
     400 without being tokenized (tokenizing one takes 2.4-3.1 s here), while a greedy stream keeps its text.
     The time bound is 1 s, not the goal's 0.1 s: here 8 client threads share the server's process and GIL on
-    a shared 2-core machine (against `specdec serve` the README reports the goal's figure); that nothing long
+    a shared 2-core machine (docs/server.md reports it against `specdec serve`); that nothing long
     was tokenized is the exact check."""
     tokenizer = server.engine.tokenizer
     encoded: list[int] = []  # the length of every text tokenized
