@@ -1054,3 +1054,32 @@ def test_requests_left_before_the_engine_took_them_count_as_aborted():
         assert gone == 3, gone
         assert samples[("specdec:num_requests_running", ())] == 0
         assert len(engine.aborted_ids) == 1  # the one that reached the engine
+
+
+IDLE_MAIN_THREAD = textwrap.dedent("""
+    import signal, sys, threading, time
+    sys.path.insert(0, {tests!r})
+    from test_server_unit import FakeEngine
+    from specdec.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(FakeEngine(), own_thread=False)
+    signal.signal(signal.SIGTERM, lambda sig, frame: engine.drain(1.0))
+
+    def kill_from_here():  # the OS may deliver a process's SIGTERM to any of its threads: here, this one
+        time.sleep(0.5)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    threading.Thread(target=kill_from_here, daemon=True).start()
+    started = time.monotonic()
+    engine.run()
+    print(f"stopped after {{time.monotonic() - started:.2f}} s")
+""")
+
+
+def test_idle_engine_loop_in_the_main_thread_handles_a_signal_sent_to_another_thread():
+    """`specdec serve` idles in the engine loop in the main thread; a SIGTERM that lands on another thread
+    (uvicorn's, an OpenMP worker) still drains and stops it within a moment, not at the next request."""
+    code = IDLE_MAIN_THREAD.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[2]) < 5.0, done.stdout

@@ -246,7 +246,9 @@ class AsyncEngine:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
         while True:
             try:
-                cmd = self._inbox.get(block=block)
+                # a bounded wait: a signal that the OS hands to another thread (SIGTERM reaches any thread of
+                # the process) only runs its Python handler once the main thread leaves a blocking call
+                cmd = self._inbox.get(block=block, timeout=_IDLE_WAKE_S if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -305,6 +307,9 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort_request(%s) failed", request_id)
         self._streams.clear()
+
+
+_IDLE_WAKE_S = 0.25  # how often an idle engine loop wakes (so that signals are handled in the main thread)
 
 
 def _send(target: _Add, item: Any) -> None:
