@@ -25,7 +25,6 @@ from specdec.engine import Engine
 from specdec.engine.memory import default_budget, device_memory, plan_memory
 from specdec.engine.outputs import RequestOutput
 from specdec.fan_out import pick_best, sub_requests
-from specdec.heads.modules import head_bytes, is_heads_folder, load_heads, resolve_heads, shipped_heads
 from specdec.models.kv_cache import KVCache
 from specdec.models.llama import Transformer
 from specdec.models.loading import load_checkpoint, load_quantized, resolve_dtype
@@ -33,7 +32,7 @@ from specdec.models.quant import BLOCK_FORMATS, quantize_linears, resolve_quanti
 from specdec.models.store import resolve_model
 from specdec.models.tokenizer import Tokenizer
 from specdec.speculative.build import build_proposer
-from specdec.speculative.compat import check_draft_compatible
+from specdec.speculative.drafters import load_drafters, model_bytes
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -61,11 +60,6 @@ def load_model(
     quantize_linears(model, quantization)
     model.requires_grad_(False)  # inference only: no autograd bookkeeping
     return model, tokenizer, path
-
-
-def model_bytes(model: torch.nn.Module) -> int:
-    tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
@@ -145,18 +139,9 @@ class LLM:
         self.max_model_len = min(max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
         self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
-        self.heads = self._load_heads(self.spec)
-        self.draft_model = self._load_draft(self.spec)
-        if self.draft_model is not None:
-            self.draft_quantization = resolve_quantization(self.spec.draft_quantization, self.device)
-        draft_weights, draft_kv_per_token = 0, 0
-        if self.draft_model is not None:
-            draft_weights = model_bytes(self.draft_model)
-            draft_kv_per_token = KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype)
-        elif self.heads is not None:
-            draft_weights = head_bytes(self.heads)
-            if self.heads.config.method == "eagle":
-                draft_kv_per_token = KVCache.bytes_per_token(self.heads.config.layer_config(), self.dtype)
+        self.drafters = load_drafters(self.spec, self.target, self.tokenizer, load_model, device=self.device,
+                                      dtype=self.dtype)
+        self.heads, self.draft_model = self.drafters.heads, self.drafters.draft_model
         total = device_memory(self.device)  # None: 0.9 of a GPU; on CPU the weights + 4 GiB for caches (memory.py)
         budget, cache_space = default_budget(self.device, total) if memory_utilization is None else \
             (int(memory_utilization * total), None)
@@ -164,18 +149,18 @@ class LLM:
             budget=budget,
             cache_space=cache_space,
             target_weights=model_bytes(self.target),
-            draft_weights=draft_weights,
+            draft_weights=self.drafters.weights_bytes(),
             target_kv_per_token=KVCache.bytes_per_token(self.target.config, self.dtype),
-            draft_kv_per_token=draft_kv_per_token,
+            draft_kv_per_token=self.drafters.kv_bytes_per_token(self.dtype),
             max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
-            draft_label="heads" if self.heads is not None else "draft",
+            draft_label=self.drafters.memory_label,
             prefix_caching=enable_prefix_caching,
             row_len=DEFAULT_ROW_LEN,
             lower_to_fit=max_model_len is None,
         )
         self.max_model_len = self.memory_plan.max_model_len
-        if self.spec is not None and (self.spec.method == "suffix" or self.spec.with_suffix):
+        if self.spec is not None and self.spec.uses_suffix:
             self.memory_plan = dataclasses.replace(
                 self.memory_plan, suffix_cached_requests=self.spec.suffix_decoding_max_cached_requests)
         # a draft's K/V rows as long as the target's while short sequences run (the engine reshapes them together)
@@ -197,9 +182,10 @@ class LLM:
             llm = LLM("qwen2.5-coder-1.5b-instruct")
             ngram = llm.engine_for(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
         """
+        drafters = load_drafters(spec, self.target, self.tokenizer, load_model, device=self.device, dtype=self.dtype)
         proposer = build_proposer(spec, vocab_size=self.target.config.vocab_size, max_num_seqs=1,
                                   max_model_len=self.memory_plan.row_len or self.max_model_len,
-                                  draft_model=self._load_draft(spec), heads=self._load_heads(spec),
+                                  draft_model=drafters.draft_model, heads=drafters.heads,
                                   special_ids=self.tokenizer.special_ids)
         return self._engine(spec, proposer, 1, row_tokens=self.max_model_len)  # a row of 4096, longer if need be
 
@@ -222,31 +208,6 @@ class LLM:
             row_tokens=row_tokens,
             row_len=self.memory_plan.row_len or None,
         )
-
-    def _load_draft(self, spec: SpeculativeConfig | None) -> Transformer | None:
-        if spec is None or spec.num_speculative_tokens == 0:
-            return None
-        if spec.method != "draft_model" and not (spec.method == "auto" and spec.model and not is_heads_folder(spec.model)):
-            return None
-        quantization = resolve_quantization(spec.draft_quantization, self.device)
-        draft_dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
-        draft, draft_tokenizer, _ = load_model(spec.model, draft_dtype, self.device, quantization)
-        check_draft_compatible(self.tokenizer, draft_tokenizer, self.target.config, draft.config)
-        return draft
-
-    def _load_heads(self, spec: SpeculativeConfig | None):
-        """The heads `spec` drafts with: its method's, or for "auto" those it names, else those shipped for the
-        target (None where there are none: auto speculation is then suffix drafts alone)."""
-        if spec is None or spec.num_speculative_tokens == 0:
-            return None
-        if spec.method == "auto":
-            if spec.model:
-                return load_heads(resolve_heads(spec.model), self.target) if is_heads_folder(spec.model) else None
-            folder = shipped_heads(self.target)
-            return None if folder is None else load_heads(folder, self.target)
-        if spec.method not in ("medusa", "eagle"):
-            return None
-        return load_heads(resolve_heads(spec.model), self.target, spec.method)
 
     # ----------------------------------------------------------------------------------- generation
     def generate(
@@ -312,26 +273,6 @@ class LLM:
             "speculative": None,
         }
         if self.spec is not None:
-            info["speculative"] = {
-                "method": self.spec.method,
-                "model": self.spec.model,
-                "num_speculative_tokens": self.spec.num_speculative_tokens,
-                "adaptive": self.spec.adaptive,
-            }
-            if self.draft_model is not None:
-                info["speculative"]["draft_quantization"] = self.draft_quantization
-            if self.spec.method == "auto" or self.spec.with_suffix:
-                second = self.heads.config.method if self.heads is not None else \
-                    ("draft_model" if self.draft_model is not None else None)
-                info["speculative"]["drafters"] = ["suffix"] + ([second] if second else [])
-            if self.spec.method == "suffix" or self.spec.with_suffix:
-                info["speculative"].update({k: getattr(self.spec, k) for k in (
-                    "tree", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
-                    "suffix_decoding_share_unsalted")})
-                info["speculative"]["suffix_cache_bytes"] = self.engine.proposer.memory_bytes
-            if self.heads is not None:
-                info["speculative"]["heads"] = self.heads.config.method
-                info["speculative"]["tree"] = self.spec.tree
-                info["speculative"]["heads_training"] = self.heads.config.training
+            suffix_bytes = self.engine.proposer.memory_bytes if self.spec.uses_suffix else None
+            info["speculative"] = self.drafters.describe(self.spec, suffix_bytes)
         return info

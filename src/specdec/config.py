@@ -297,6 +297,11 @@ class SpeculativeConfig:
         return False
 
     @property
+    def uses_suffix(self) -> bool:
+        """Whether suffix drafts run at all: alone (method "suffix") or beside another drafter."""
+        return self.method == "suffix" or self.with_suffix
+
+    @property
     def max_tokens(self) -> int:
         """The most tokens one draft may hold: K, or with suffix drafts beside a drafter the larger of K and the
         trie's depth (a suffix draft is as long as suffix decoding's)."""
