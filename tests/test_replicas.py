@@ -24,6 +24,7 @@ from specdec.server.async_engine import AsyncEngine
 from specdec.server.cli import add_serve_arguments
 from specdec.server.metrics import ServerMetrics
 from specdec.server.metrics_merge import merge_metrics
+from specdec.server.responses import ResponseStore, owner_of
 from specdec.server.routing import KeyOwners, PromptKeys, RouteHint, choose
 from specdec.testing import tiny_server
 from specdec.testing.byte_tokenizer import ByteTokenizer
@@ -99,8 +100,24 @@ def test_prompt_keys_are_the_prefix_cache_block_keys_of_the_prompt():
     completion = keys.of("/v1/completions", json.dumps({"prompt": "x" * 40}).encode())
     assert completion.keys == tuple(block_keys(list(b"x" * 40), 16))
     assert keys.of(CHAT, b"{not json") == RouteHint() and keys.of("/tokenize", b"{}") == RouteHint()
-    continued = {"input": "and then?", "previous_response_id": "resp_1"}  # its history is on one replica
+    continued = {"input": "and then?", "previous_response_id": "resp_1"}  # not a replica's id: no affinity
     assert keys.of("/v1/responses", json.dumps(continued).encode()) == RouteHint()
+    owned = ResponseStore(owner="r2d2").new_id()  # a replica's store: its ids name it
+    continued["previous_response_id"] = owned
+    assert keys.of("/v1/responses", json.dumps(continued).encode()) == RouteHint(stored_by="r2d2")
+    assert keys.of(f"/v1/responses/{owned}", b"") == RouteHint(stored_by="r2d2")
+
+
+def test_a_stored_response_is_continued_on_the_replica_that_stored_it():
+    owners = KeyOwners()
+    owners.record((b"k1",), "A")
+    assert choose((b"k1",), owners, {"A": 0, "B": 9}, 4, stored_by="B") == [["B"]]  # however busy
+    assert sorted(choose((), owners, {"A": 0, "B": 0}, 4, stored_by="C")[0]) == ["A", "B"]  # C restarted: any
+    store = ResponseStore(owner="abc123")
+    assert owner_of(store.new_id()) == "abc123" and owner_of(ResponseStore().new_id()) is None
+    assert owner_of("resp_abc123_" + "0" * 31) is None and owner_of(None) is None
+    with pytest.raises(ValueError, match="letters and digits"):
+        ResponseStore(owner="a_b")
 
 
 def test_merged_metrics_are_the_sums_over_replicas():
@@ -170,6 +187,24 @@ def test_replicas_answer_as_one_process_does(replicas):
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]) == expected
     assert replicas.post(CHAT, json={**body, "temperature": -1}).status_code == 400  # the replica's own errors
+
+
+def test_responses_continue_on_the_replica_that_stored_them(replicas):
+    """Each replica keeps its own stored responses: a conversation through previous_response_id, and a GET of
+    a stored response, reach the replica that stored it, whichever replica the first turn went to."""
+    for i in range(3):
+        first = replicas.post("/v1/responses", json={"model": tiny_server.NAME, "input": f"conversation {i}",
+                                                     "max_output_tokens": 4})
+        assert first.status_code == 200, first.text
+        stored_on, previous = first.headers["x-specdec-replica"], first.json()["id"]
+        for turn in range(3):
+            later = replicas.post("/v1/responses", json={"model": tiny_server.NAME, "input": f"turn {turn}",
+                                                         "previous_response_id": previous, "max_output_tokens": 4})
+            assert later.status_code == 200, later.text
+            assert later.headers["x-specdec-replica"] == stored_on
+            previous = later.json()["id"]
+        got = replicas.get(f"/v1/responses/{previous}")
+        assert got.status_code == 200 and got.json()["id"] == previous
 
 
 def prompt_tokens(client: httpx.Client) -> float:

@@ -80,8 +80,9 @@ class BlockAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         lens = {rid: self.replica_queue_len_cache.get(r.replica_id) for rid, r in by_id.items()}
-        return [[by_id[rid] for rid in rank] for rank in choose(_hint(pending_request).keys, self.owners, lens,
-                                                                self.imbalance)]
+        hint = _hint(pending_request)
+        return [[by_id[rid] for rid in rank]
+                for rank in choose(hint.keys, self.owners, lens, self.imbalance, stored_by=hint.stored_by)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.owners.record(_hint(pending_request).keys, replica_id.unique_id)
@@ -105,14 +106,16 @@ class EngineReplica:
         from specdec.server.app import build_app
         from specdec.server.async_engine import AsyncEngine
         from specdec.server.metrics import ServerMetrics
+        from specdec.server.responses import ResponseStore
 
         torch.set_num_threads(spec.args.replica_threads)
+        context = serve.get_replica_context()
         engine, names, options = spec.load().load_engine(spec.args)
         self.engine = AsyncEngine(engine, max_waiting_requests=spec.args.max_waiting_requests)
         self.metrics = ServerMetrics(names[0])
-        self.app = build_app(self.engine, names, metrics=self.metrics, **options)
+        store = ResponseStore(owner=context.replica_id.unique_id)  # its ids name this replica (for the router)
+        self.app = build_app(self.engine, names, metrics=self.metrics, response_store=store, **options)
         self.engine.start()
-        context = serve.get_replica_context()
         self.identity = (context.replica_id.unique_id, context.rank.rank if context.rank else -1, os.getpid())
         self.board, self.stopped = board, threading.Event()
         threading.Thread(target=self._report_loop, name="specdec-report", daemon=True).start()

@@ -27,6 +27,7 @@ that says so.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -231,10 +232,16 @@ def _chat_tool(tool: FunctionTool, where: str) -> dict[str, Any]:
 
 class ResponseStore:
     """Stored responses, newest last, each with its conversation (chat messages, the answer included):
-    at most `max_responses`, and at most `max_chars` characters of conversations (the oldest go first)."""
+    at most `max_responses`, and at most `max_chars` characters of conversations (the oldest go first).
+    `owner` names the engine replica holding the store (`specdec serve --replicas`): the ids it gives
+    (`new_id`) carry it, so that a request continuing a response is routed to the replica that stored it
+    (`owner_of`)."""
 
-    def __init__(self, max_responses: int = DEFAULT_MAX_STORED, max_chars: int = DEFAULT_MAX_STORED_CHARS):
-        self.max_responses, self.max_chars = max_responses, max_chars
+    def __init__(self, max_responses: int = DEFAULT_MAX_STORED, max_chars: int = DEFAULT_MAX_STORED_CHARS,
+                 owner: str | None = None):
+        if owner is not None and not _OWNER.fullmatch(owner):
+            raise ValueError(f"a response store's owner is letters and digits, got {owner!r}")
+        self.max_responses, self.max_chars, self.owner = max_responses, max_chars, owner
         self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
         self._chars = 0
 
@@ -247,6 +254,10 @@ class ResponseStore:
         while len(self._items) > self.max_responses or self._chars > self.max_chars:
             _, (_, _, dropped) = self._items.popitem(last=False)
             self._chars -= dropped
+
+    def new_id(self) -> str:
+        """A new response id: resp_<32 hex digits>, or resp_<owner>_<32 hex digits> for a replica's store."""
+        return _item_id("resp" if self.owner is None else f"resp_{self.owner}")
 
     def get(self, response_id: str, param: str = "previous_response_id") -> tuple[dict, list[dict]]:
         """(response, conversation); 404 if unknown or no longer kept."""
@@ -266,6 +277,17 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
+
+
+_OWNER = re.compile(r"[A-Za-z0-9]+")
+_OWNED_ID = re.compile(r"resp_([A-Za-z0-9]+)_[0-9a-f]{32}")
+
+
+def owner_of(response_id: str | None) -> str | None:
+    """The replica whose store gave `response_id` (`ResponseStore.new_id`); None for an id without one.
+    Example: owner_of("resp_k3x9_" + 32 * "a") -> "k3x9"."""
+    match = _OWNED_ID.fullmatch(response_id) if response_id else None
+    return match.group(1) if match else None
 
 
 def _item_id(prefix: str) -> str:
@@ -290,7 +312,7 @@ class ResponseTranslator:
                  heartbeat_s: float = DEFAULT_INTERVAL_S):
         self.req, self.model, self.conversation, self.store = req, model, conversation, store
         self.heartbeat_s = heartbeat_s
-        self.id = _item_id("resp")
+        self.id = store.new_id()
         self.created_at = int(time.time())
         self.sequence = 0
 

@@ -7,7 +7,9 @@ with the replicas' own tokenizer and chat template, so that a key names exactly 
 a request to the replica holding its longest cached prefix, if that is at least half the prompt and the
 replica is not busier than the least-loaded one by more than `imbalance` requests nor full
 (`max_ongoing_requests`); otherwise (a new conversation, whose only cached blocks are a shared system
-prompt; a body the ingress could not read) to the least-loaded replica.
+prompt; a body the ingress could not read) to the least-loaded replica. A request naming a stored response (a Responses request's
+`previous_response_id`, `GET /v1/responses/{id}`) goes to the replica that stored it, which the id names
+(`responses.owner_of`): no other replica has it.
 
 Example (block_size 16): turn 1 of a conversation (a 40-token prompt: keys k1 k2) goes to the least-loaded
 replica A, which records k1 k2 -> A. Turn 2 (the same 40 tokens, the answer, a new question: keys k1 k2 k3
@@ -27,7 +29,7 @@ from pydantic import ValidationError
 from specdec.engine.prefix_cache import BLOCK_SIZE, block_keys
 from specdec.server import anthropic
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from specdec.server.responses import ResponsesRequest
+from specdec.server.responses import ResponsesRequest, owner_of
 
 MAX_REMEMBERED_KEYS = 1 << 20  # block keys the router remembers (about 100 MB), least recently routed dropped
 MIN_MATCH = 0.5  # the share of a prompt's blocks a replica must hold to be preferred (SGLang's cache_threshold)
@@ -35,9 +37,11 @@ MIN_MATCH = 0.5  # the share of a prompt's blocks a replica must hold to be pref
 
 @dataclass(frozen=True)
 class RouteHint:
-    """What the router reads of a request: its prompt's block keys, first block first (empty: no affinity)."""
+    """What the router reads of a request: its prompt's block keys, first block first (empty: no affinity), or
+    the replica holding the stored response it names."""
 
     keys: tuple[bytes, ...] = field(default_factory=tuple)
+    stored_by: str | None = None
 
 
 class PromptKeys:
@@ -50,11 +54,17 @@ class PromptKeys:
 
     def of(self, path: str, body: bytes) -> RouteHint:
         """The hint for a request to `path` with JSON `body`; an empty hint for a route that generates nothing,
-        a body that does not parse (the replica answers its error), or a Responses request continuing a stored
-        response (its history is on the replica that stored it)."""
+        a body that does not parse (the replica answers its error); for a request naming a stored response,
+        the replica that stored it (its history is there)."""
         from specdec.server.app import _chat_prompt_ids, _completion_prompt_ids
 
+        if path.startswith("/v1/responses/"):
+            return RouteHint(stored_by=owner_of(path.removeprefix("/v1/responses/").split("/")[0]))
         try:
+            if path == "/v1/responses":
+                previous = ResponsesRequest.model_validate_json(body).previous_response_id
+                if previous:
+                    return RouteHint(stored_by=owner_of(previous))
             if path == "/v1/completions":
                 req = CompletionRequest.model_validate_json(body)
                 ids = _completion_prompt_ids(self.tokenizer, req.prompts()[0])
@@ -75,8 +85,7 @@ class PromptKeys:
         if path == "/v1/messages":
             return anthropic.MessagesRequest.model_validate_json(body).to_chat()
         if path == "/v1/responses":
-            req = ResponsesRequest.model_validate_json(body)
-            return None if req.previous_response_id else req.to_chat([])
+            return ResponsesRequest.model_validate_json(body).to_chat([])
         return None
 
 
@@ -105,7 +114,7 @@ class KeyOwners:
 
 
 def choose(keys: tuple[bytes, ...], owners: KeyOwners, queue_lens: dict[str, int | None], imbalance: int,
-           min_match: float = MIN_MATCH) -> list[list[str]]:
+           min_match: float = MIN_MATCH, stored_by: str | None = None) -> list[list[str]]:
     """The ranks of replicas to try (Ray Serve tries a rank's least-loaded replica that is not full, the first
     of equals, then the next rank): the replica holding the most of `keys` first, if it holds at least
     `min_match` of them (less is a new conversation sharing a system prompt: load matters more) and its queue
@@ -113,7 +122,11 @@ def choose(keys: tuple[bytes, ...], owners: KeyOwners, queue_lens: dict[str, int
     replica. Ties (a prefix several replicas hold; nothing held) are broken by rendezvous hashing on the first
     key past the held ones, so that new conversations spread evenly.
     Example: owners {k1: {A, B}, k2: {A}}, keys (k1, k2, k3), queues {"A": 3, "B": 1}, imbalance 4 ->
-    [["A"], [A, B in k3's rendezvous order]] (A holds 2 of 3 keys)."""
+    [["A"], [A, B in k3's rendezvous order]] (A holds 2 of 3 keys).
+    A request naming a stored response goes to the replica that stored it (`stored_by`) alone, however busy
+    (any other would answer 404); if it is gone (restarted: its store went with it), to any replica."""
+    if stored_by in queue_lens:
+        return [[stored_by]]
     depth, holders = owners.deepest(keys, set(queue_lens))
     tiebreak = keys[min(depth, len(keys) - 1)] if keys else b""
     everyone = sorted(queue_lens, key=lambda replica: hashlib.sha256(tiebreak + replica.encode()).digest())
