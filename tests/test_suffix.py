@@ -277,3 +277,26 @@ def assert_first_two_follow_the_target(engine: Engine, seeds: int, min_drafted: 
     seconds = [b for a, b in pairs if a == top]
     assert len(seconds) > min_seconds
     assert_follows(torch.tensor(seconds), target_probs(prompt + [top]), "second token")
+
+
+def test_a_prompt_trie_grows_chunk_by_chunk_as_the_target_reads_it():
+    """The trie of a long prompt is built while the target reads it, chunk by chunk, not at the first step
+    (where a 30k-token prompt's took seconds): after each prefill step it holds the prompt so far; the
+    drafts and output are those of a trie built from the whole prompt at once."""
+    prompt = tuple(PROMPTS[0]) * 3
+    proposer = SuffixProposer(SuffixCache(24, 100, False))
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, 8, False, max_model_len=MAX_LEN, prefill_chunk=8)
+    engine.add_request("r", list(prompt), GREEDY)
+    read = []
+    while "r" not in proposer.suffix_cache.active or proposer.suffix_cache.consumed("r") < len(prompt):
+        engine.step()
+        read.append(proposer.suffix_cache.consumed("r"))
+    assert read == list(range(8, len(prompt), 8)) + [len(prompt)], read
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    whole = suffix_engine(8)  # a prompt read in one chunk
+    expected = generate(whole, prompt, GREEDY)
+    assert tuple(outs["r"].token_ids) == tuple(expected.token_ids) == plain("fp32", prompt)
+    assert outs["r"].metrics.num_accepted_tokens == expected.metrics.num_accepted_tokens > 0

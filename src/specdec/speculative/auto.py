@@ -205,6 +205,7 @@ class AutoProposer(Proposer):
         return self.second.prefill(seq, start, stop) if self.second is not None else 0
 
     def read_prompt(self, chunk: PromptChunk) -> None:
+        self.suffix.read_prompt(chunk)
         if self.second is not None:
             self.second.read_prompt(chunk)
 

@@ -398,8 +398,10 @@ class SuffixProposer(Proposer):
     (`specdec.speculative.suffix`). No model: a draft costs microseconds, so its price is the wider
     verification pass, which the adaptive controller weighs.
 
-    Each sequence's trie is started at its first step (its prompt and what it has output) and brought up to
-    date with its new tokens at each proposal; when it leaves, its whole output joins the global trie of its
+    Each sequence's trie is built as the target reads its prompt, chunk by chunk (`read_prompt`: a 30k-token
+    prompt's trie takes seconds to build, spread over the chunks rather than stalling its first step), or
+    at its first step where no chunk was read (a whole prompt from the prefix cache), and brought up to date
+    with its new tokens at each proposal; when it leaves, its whole output joins the global trie of its
     `cache_salt` (the cache knows sequences by `request_id`; `_started` holds those it started). A chain
     draft is the most frequent continuation; a tree draft (`tree`) the continuations best-first by their
     empirical probability, K nodes at most. Drafts are point masses (`Draft.probs` None): they are not drawn
@@ -439,8 +441,24 @@ class SuffixProposer(Proposer):
             self.suffix_cache.stop(seq.request_id)  # (a request id reused while the cache had it: a new request)
             self.suffix_cache.start(seq.request_id, seq.prompt_ids, seq.cache_salt)
         consumed = self.suffix_cache.consumed(seq.request_id)
+        if consumed < len(seq.prompt_ids):  # (the prompt's end, where no chunk read it)
+            self.suffix_cache.extend_prompt(seq.request_id, seq.prompt_ids[consumed:])
+            consumed = len(seq.prompt_ids)
         if consumed < len(seq.tokens):
             self.suffix_cache.extend(seq.request_id, seq.tokens[consumed:])
+
+    def read_prompt(self, chunk: PromptChunk) -> None:
+        """Add the prompt up to the chunk's end to the sequence's trie (from its start, at its first chunk: a
+        cached prefix before it included)."""
+        seq = chunk.seq
+        if self._started.get(seq.request_id) is not seq:
+            self._started[seq.request_id] = seq
+            self.suffix_cache.stop(seq.request_id)
+            self.suffix_cache.start(seq.request_id, seq.prompt_ids[:chunk.stop], seq.cache_salt)
+            return
+        consumed = self.suffix_cache.consumed(seq.request_id)
+        if consumed < chunk.stop:
+            self.suffix_cache.extend_prompt(seq.request_id, seq.prompt_ids[consumed:chunk.stop])
 
     def draft(self, seqs, ks):
         drafts = []

@@ -342,6 +342,13 @@ class SuffixCache:
                 self._evict(next(iter(self.cached)))
         self.active[key] = _Active(trie, len(prompt), len(prompt), salt, global_id)
 
+    def extend_prompt(self, key, tokens: Sequence[int]) -> None:
+        """Append more of the request's prompt (read chunk by chunk: `start` took its beginning). Only its own
+        trie learns them: the global tries hold outputs."""
+        state = self.active[key]
+        state.trie.extend(0, tokens)
+        state.consumed += len(tokens)
+
     def extend(self, key, tokens: Sequence[int]) -> None:
         """Append tokens of the request's output."""
         state = self.active[key]
