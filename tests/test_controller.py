@@ -102,6 +102,42 @@ def test_a_stale_slow_measurement_of_fewer_rows_does_not_keep_a_useless_draft_on
     assert ctl.choose([AcceptanceEstimate(accepted=0.0, rejections=5.0)], costs) == [0]
 
 
+def test_pass_costs_are_kept_by_context_depth():
+    """A pass's cost is kept by depth band; a band measured at one width takes the shape of the nearest band
+    measured at several (the docstring's example); a band measured at none, that band's costs."""
+    costs = CostModel()
+    costs.at(300)
+    costs.record_verify(1, 1.0)
+    costs.record_verify(4, 1.2)
+    costs.at(8000)
+    assert costs.verify_time(4) == pytest.approx(1.2)  # nothing at 8k yet: the shallow band's
+    costs.record_verify(1, 2.0)
+    assert costs.verify_time(4) == pytest.approx(2.4) and costs.pass_time(4) == pytest.approx(2.4)
+    costs.record_verify(4, 3.0)  # measured at 8k: its own
+    assert costs.verify_time(4) == pytest.approx(3.0) and costs.pass_time(2) == pytest.approx(2 + 1 / 3)
+    costs.at(500)  # back at the shallow band: its costs unchanged
+    assert costs.verify_time(4) == pytest.approx(1.2) and costs.verify_time(1) == pytest.approx(1.0)
+
+
+def test_speculation_is_gated_by_the_depth_of_the_batch():
+    """Passes of 6 rows cost 1.2 one-row passes at 500 tokens of context, but at 8k 2 rows cost 1.6 and 6
+    rows 4 (attention over the context for each row): at acceptance 0.5, the controller drafts at 500 tokens
+    and not at 8k, whether it drafted the step before or not, each step costed at the depth it names
+    (`choose(..., contexts)`)."""
+    ctl = SpeculationController(5, adaptive=True)
+    for context, verify in ((500, {1: 1.0, 6: 1.2}), (8000, {1: 2.0, 2: 3.2, 6: 8.0})):
+        ctl.costs.at(context)
+        for _ in range(2):
+            ctl.costs.record_draft(1, 0.01)
+            for rows, t in verify.items():
+                ctl.costs.record_verify(rows, t)
+    halfway = [AcceptanceEstimate(accepted=5.0, rejections=5.0)]
+    assert halfway[0].rate == pytest.approx(0.5)
+    assert ctl.choose(halfway, [100], [100], contexts=[8000]) == [0]
+    assert ctl.choose(halfway, [100], [100], contexts=[500])[0] >= 2
+    assert ctl.choose(halfway, [100], [100], contexts=[8100]) == [0]
+
+
 # ------------------------------------------------------------------------------------------- fixed and adaptive K
 def costs_with(draft: float, verify: dict[int, float] | float, batch_size: int = 1) -> CostModel:
     costs = CostModel()

@@ -174,7 +174,7 @@ class Engine:
         """Propose, verify (one target pass for the batch), then for each sequence on its own: judge and
         commit, append and report. A sequence whose own part raises is left out of what follows."""
         ks = self.controller.choose([s.estimate for s in seqs], [s.params.max_tokens - s.num_output for s in seqs],
-                                    [self.max_model_len - len(s.tokens) for s in seqs])
+                                    [self.max_model_len - len(s.tokens) for s in seqs], [len(s.tokens) for s in seqs])
         t0 = self._now()
         proposal = self.proposer.propose(seqs, ks)
         drafts = self.controller.cut([verifiable(seq, d, self.vocab_size) for seq, d in zip(seqs, proposal.drafts)],

@@ -48,6 +48,7 @@ matched token ~20%, and one rate for both either cuts the sure runs short or ver
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -129,8 +130,14 @@ class LineFit:
         return max(my + slope * (rows - mx), 1e-9)
 
 
+# context tokens per sequence where the cost of a target pass is measured apart (attention grows with the
+# context: at 8k tokens a pass of several rows costs more, relative to one row, than at 500)
+DEPTH_BANDS = (1024, 2048, 4096, 8192, 16384)
+
+
 class CostModel:
-    """Running means of the time of one draft forward (by batch size) and of one target pass (by rows).
+    """Running means of the time of one draft forward (by batch size) and of one target pass (by rows), the
+    latter at the context depth of the step (`at`).
 
     Unmeasured sizes are estimated from measured ones: linearly between the two nearest, and outside the
     measured range along the line through the two nearest, kept between the nearest's cost and that
@@ -139,6 +146,12 @@ class CostModel:
     between free and proportional). Example: verify {1: 1.0, 2: 1.2} -> verify_time(6) = 2.0;
     verify {2: 1.0} alone -> verify_time(6) = 1.0 * (1 + 0.5 * 4 / 2) = 2.0. No size is estimated
     above a larger measured size: verify {1: 3.0, 2: 1.2} -> verify_time(1) = 1.2.
+
+    Target passes are kept by depth band (`DEPTH_BANDS`: the mean context tokens of the batch's sequences),
+    the controller naming each step's (`at`) before it asks costs of it or records them. A band with passes
+    of one width only (speculation off there, or new) takes its shape from the nearest band measured at two
+    widths or more, scaled to its own: measured {1: 1.0, 4: 1.2} below 1k tokens and {1: 2.0} at 8k ->
+    verify_time(4) at 8k = 2.0 * 1.2 = 2.4; a band with nothing measured borrows the nearest band's costs.
     """
 
     def __init__(self, smoothing: float = 0.2, prior_slope: float = 0.5) -> None:
@@ -148,6 +161,23 @@ class CostModel:
         self.verify: dict[int, float] = {}  # rows in the target pass -> seconds
         self.prefill: dict[str, float] = {}  # "target" / "draft" -> seconds per prompt token
         self.verify_fit = LineFit()  # every target pass, for `pass_time`
+        self.band = 0  # the depth band `verify` and `verify_fit` hold (`at`)
+        self._bands: dict[int, tuple[dict[int, float], LineFit]] = {}  # the other bands' tables
+
+    def at(self, context: int) -> None:
+        """The mean context tokens per sequence of the step about to be costed and recorded."""
+        band = bisect_right(DEPTH_BANDS, context)
+        if band != self.band:
+            self._bands[self.band] = (self.verify, self.verify_fit)
+            self.verify, self.verify_fit = self._bands.pop(band, None) or ({}, LineFit())
+            self.band = band
+
+    def _shape(self) -> tuple[dict[int, float], LineFit] | None:
+        """The tables of the band nearest this one that has passes of two widths or more (None: no such band)."""
+        shaped = [b for b, (table, _) in self._bands.items() if len(table) >= 2]
+        if not shaped:
+            return None
+        return self._bands[min(shaped, key=lambda b: (abs(b - self.band), b))]
 
     def _update(self, table: dict, key: int | str, value: float) -> None:
         old = table.get(key)
@@ -197,7 +227,7 @@ class CostModel:
         """Seconds the draft takes to read `tokens` prompt tokens: measured, else the target's time scaled by
         the draft/target cost of one forward; None when neither is known."""
         per_token = self.prefill.get("draft")
-        if per_token is None and "target" in self.prefill and self.draft and self.verify:
+        if per_token is None and "target" in self.prefill and self.draft and self.verify_time(1) is not None:
             per_token = self.prefill["target"] * self.draft_time(1) / self.verify_time(1)
         return None if per_token is None else per_token * tokens
 
@@ -205,10 +235,17 @@ class CostModel:
         return self._estimate(self.draft, batch_size)
 
     def verify_time(self, rows: int) -> float | None:
-        return self._estimate(self.verify, rows)
+        shape = self._shape() if len(self.verify) < 2 else None
+        if shape is None:
+            return self._estimate(self.verify, rows)
+        if not self.verify:
+            return self._estimate(shape[0], rows)
+        (width, seconds), = self.verify.items()
+        return seconds * self._estimate(shape[0], rows) / self._estimate(shape[0], width)
 
     def pass_time(self, rows: int) -> float | None:
-        """A target pass of `rows` rows on the line fitted to every pass (`LineFit`), else `verify_time`."""
+        """A target pass of `rows` rows on the line fitted to every pass of this depth (`LineFit`), else
+        `verify_time`."""
         fitted = self.verify_fit.time(rows)
         return self.verify_time(rows) if fitted is None else fitted
 
@@ -490,9 +527,13 @@ class SpeculationController:
     def _disabled(self, batch_size: int) -> bool:
         return self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size
 
-    def choose(self, estimates: list[AcceptanceEstimate], remaining: list[int], room: list[int]) -> list[int]:
+    def choose(self, estimates: list[AcceptanceEstimate], remaining: list[int], room: list[int],
+               contexts: list[int] | None = None) -> list[int]:
         """K for each sequence of the batch this step. `remaining`: output tokens each may still emit;
-        `room`: context slots each has left. A pass emits K + 1 tokens, so K never exceeds either less one."""
+        `room`: context slots each has left. A pass emits K + 1 tokens, so K never exceeds either less one.
+        `contexts`: each one's tokens so far: the step is costed (and its pass recorded) at their mean depth."""
+        if contexts:
+            self.costs.at(sum(contexts) // len(contexts))
         if self._disabled(len(estimates)):
             return [0] * len(estimates)
         ks = self.policy.choose(estimates, self.costs, remaining=remaining, restart_tokens=self.restart_tokens)
