@@ -7,12 +7,14 @@ and following the target's distribution; the default speculation of `LLM` and it
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.api import build_speculative_config
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
 from specdec.heads.modules import load_heads
+from specdec.sampling import process_logits
 from specdec.speculative.auto import AutoProposer
 from specdec.speculative.controller import CostModel
 from specdec.speculative.head_proposers import MedusaProposer
@@ -20,6 +22,7 @@ from specdec.speculative.proposers import DraftModelProposer, SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 from test_engine_tiny import (BATCH_REQUESTS, GREEDY, MAX_LEN, PROMPTS, SpeculationPays, assert_metrics_consistent,
                               draft, generate, plain, run, target)
+from test_sampling_distribution import assert_follows
 from test_suffix import assert_first_two_follow_the_target
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
@@ -165,10 +168,11 @@ def medusa(tmp_path_factory):
     return heads_target("fp32"), heads_dir("medusa", str(tmp_path_factory.mktemp("heads")))
 
 
-def medusa_engine(medusa, batch: int = 1, share: bool = True) -> Engine:
+def medusa_engine(medusa, batch: int = 1, share: bool = True, tree: bool = False) -> Engine:
     model, folder = medusa
     heads = MedusaProposer(load_heads(folder, model, "medusa"), model.config.vocab_size, max_depth=3)
-    proposer = AutoProposer(SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share)), heads, 3, True, "medusa")
+    proposer = AutoProposer(SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share)), heads, 3, True, "medusa",
+                            tree=tree)
     engine = Engine(model, FakeTokenizer(), proposer, DEPTH, max_model_len=256, max_batch_size=batch)
     engine.controller.costs = SpeculationPays()
     return engine
@@ -186,6 +190,49 @@ def test_auto_beside_medusa_equals_plain_and_uses_both(medusa):
         for name, counts in finals[rid].metrics.drafters.items():
             used[name] = used.get(name, 0) + counts[2]
     assert used.get("medusa", 0) > 0 and used.get("suffix", 0) > 0, used
+
+
+def test_two_drafter_trees_equal_plain(medusa):
+    """With `tree`, one sequence at a time: where the trie and the heads disagree, the pass carries both
+    branches (drafter "suffix+medusa"); greedy output stays plain decoding's, and trees were verified."""
+    from test_heads_engine import plain as heads_plain
+
+    engine = medusa_engine(medusa, tree=True)
+    trees = 0
+    for prompt in PROMPTS + PROMPTS:
+        out = generate(engine, prompt, GREEDY)
+        assert out.token_ids == heads_plain("fp32", prompt)
+        assert_metrics_consistent(out)
+        trees += out.metrics.drafters.get("suffix+medusa", (0, 0, 0))[0]
+    assert trees > 0
+
+
+def test_two_drafter_trees_keep_the_sampled_distribution(medusa):
+    """Temperature 1, trees of the trie's point masses beside the heads' distributions: the first two emitted
+    tokens over 1200 seeds follow the target's distributions (test_sampling_distribution's tolerances), with
+    hundreds of trees verified among them."""
+    model, _ = medusa
+    engine = medusa_engine(medusa, tree=True)
+    prompt = list(PROMPTS[1])
+    firsts, pairs, trees = [], [], 0
+    for seed in range(1200):
+        # 4 tokens, so that the first step may draft 3 (two branches); the first two are compared
+        out = generate(engine, prompt, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=seed))
+        firsts.append(out.token_ids[0])
+        pairs.append(tuple(out.token_ids[:2]))
+        trees += out.metrics.drafters.get("suffix+medusa", (0, 0, 0))[0]
+    assert trees > 300  # (529 trees in a run here)
+
+    def target_probs(tokens):
+        cache = model.new_cache(1, 64)
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0, -1]
+        return process_logits(logits[None].float(), SamplingParams(temperature=1.0))[0]
+
+    assert_follows(torch.tensor(firsts), target_probs(prompt), "first token")
+    top = max(set(firsts), key=firsts.count)
+    seconds = [b for a, b in pairs if a == top]
+    assert len(seconds) > 150
+    assert_follows(torch.tensor(seconds), target_probs(prompt + [top]), "second token")
 
 
 # ------------------------------------------------------------------------------------------- the defaults

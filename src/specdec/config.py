@@ -246,6 +246,9 @@ class SpeculativeConfig:
     tree: Any = None
     tree_top_k: int = 2
     tree_beam: int = 2
+    # auto beside heads: where the trie and the heads disagree, both drafts as one tree's two branches when
+    # that is expected to pay (one sequence running; `specdec.speculative.auto`)
+    auto_tree: bool = False
     # suffix decoding (vLLM's keys and defaults): tries of depth max_tree_depth (match + draft lengths) over the
     # request and over the last max_cached_requests outputs (0: the request's own only); a draft of at most
     # max_spec_factor x the match length, of tokens whose empirical probability is >= min_token_prob.

@@ -15,10 +15,11 @@
                                    without it, the draft model alone)
     medusa[:HEADS][:k=K][:tree]    Medusa heads (default: those shipped for the target, TARGET-medusa)
     eagle[:HEADS][:k=K][:tree|:dynamic]
-    auto[:DRAFTER][:k=K][:adaptive][:local][:shared]
+    auto[:DRAFTER][:k=K][:adaptive][:local][:shared][:tree]
                                    auto speculation: per sequence and step, suffix drafts or the second
                                    drafter's (heads or a draft model; default: the heads shipped for the
-                                   target, none if there are none), whichever pays (what `serve` runs by default)
+                                   target, none if there are none), whichever pays (what `serve` runs by default);
+                                   `tree`: both drafts as one tree where they disagree and it pays (`auto_tree`)
 
 K is the draft length (3 unless given), fixed unless `adaptive` (then K is the most the controller may
 draft); `tree` drafts the default tree of depth K, `dynamic` EAGLE-2's. Example:
@@ -81,7 +82,7 @@ def parse_method(text: str, target: str) -> Method:
         raise ValueError(f"unknown method {text!r}; methods: " + ", ".join(KINDS))
     k, adaptive, tree, model, local = SUFFIX_K if kind == "suffix" else DEFAULT_K, False, None, None, False
     vocab = quant = None
-    with_suffix, shared = kind == "auto", False
+    with_suffix, shared, extra_tree = kind == "auto", False, False
     for part in parts:
         if part.startswith("k="):
             if not part[2:].isdigit() or int(part[2:]) < 1:
@@ -89,6 +90,8 @@ def parse_method(text: str, target: str) -> Method:
             k = int(part[2:])
         elif part == "adaptive":
             adaptive = True
+        elif part == "tree" and kind == "auto":
+            extra_tree = True
         elif part in ("tree", "dynamic"):
             tree = "default" if part == "tree" and kind != "suffix" else "dynamic"
         elif part == "local" and kind in ("suffix", "auto"):
@@ -126,6 +129,8 @@ def parse_method(text: str, target: str) -> Method:
         extra["draft_quantization"] = quant
     if shared:
         extra["suffix_decoding_share_unsalted"] = True
+    if extra_tree:
+        extra["auto_tree"] = True
     if kind == "draft":  # (alone unless `suffix`: the bench compares drafters one by one)
         extra["suffix"] = with_suffix
     spec = SpeculativeConfig(method="draft_model" if kind == "draft" else kind, model=model,
@@ -134,7 +139,7 @@ def parse_method(text: str, target: str) -> Method:
         {None: [], "default": ["tree"], "dynamic": ["tree" if kind == "suffix" else "dynamic"]}[tree] + \
         (["local"] if local else []) + ([f"vocab={vocab}"] if vocab is not None else []) + \
         ([f"quant={quant}"] if quant is not None else []) + (["suffix"] if with_suffix and kind == "draft" else []) + \
-        (["shared"] if shared else [])
+        (["shared"] if shared else []) + (["tree"] if extra_tree else [])
     return Method(":".join([kind, *named, *options]), spec)
 
 

@@ -22,6 +22,13 @@ steps, doubling while it keeps losing), so that text on which it starts to agree
 Exactness is unchanged: each sequence's draft comes whole from one drafter, point masses from the trie and the
 drafter's distribution from a draft model or heads, and is verified as it would be alone.
 
+With `tree` (and one sequence running), where the trie and the heads both have a draft and disagree on its
+first token, one pass may carry both as the two branches of a tree (`_tree`): it is expected to accept the
+trie's branch as before, plus, when the trie's first token is wrong, the heads' branch; it is verified when
+that is worth more per second of its wider pass than the better single draft. The trie's nodes are point
+masses and the heads' nodes keep their distribution: siblings drawn independently, as multi-draft rejection
+sampling needs (`tree.tree_rejection_sample`), so sampling stays exact too.
+
 Example (the default target, an agent's edit): while the answer repeats the file, the trie's draft after 16
 matched tokens is 12 tokens whose kinds were accepted ~97% of the time: value 10.6 tokens for ~2.3 pass-times,
 against Medusa's 2 tokens at ~0.6 (1.9 for 1.2); after the renamed identifier the trie matches 1 token (rate
@@ -31,6 +38,8 @@ against Medusa's 2 tokens at ~0.6 (1.9 for 1.2); after the renamed identifier th
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from specdec.speculative.controller import AcceptanceEstimate, ByKind, CostModel, expected_tokens
 from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposal, Proposer, SuffixProposer
@@ -45,6 +54,7 @@ class _Row:
     model: AcceptanceEstimate | None = None  # its draft-model acceptance (a draft model as second drafter)
     idle: int = 0  # steps since the draft model last drafted for it
     probe_every: int = 0  # steps between its probes of the draft model
+    tree: tuple[list[int], list[int]] | None = None  # its last draft's branches' kinds, if a two-drafter tree
 
 
 class AutoProposer(Proposer):
@@ -55,7 +65,8 @@ class AutoProposer(Proposer):
     controller's measured costs (`bind`)."""
 
     def __init__(self, suffix: SuffixProposer, second: Proposer | None = None, k: int = 0, adaptive: bool = True,
-                 second_name: str | None = None, probe_interval: int = 16, max_probe_interval: int = 256) -> None:
+                 second_name: str | None = None, probe_interval: int = 16, max_probe_interval: int = 256,
+                 tree: bool = False) -> None:
         if suffix.guess_kinds == 0:
             raise ValueError("auto speculation needs the trie's chain drafts (not trees)")
         self.suffix = suffix
@@ -64,6 +75,7 @@ class AutoProposer(Proposer):
         self.adaptive = adaptive
         self.second_name = second_name or ("none" if second is None else type(second).__name__)
         self.labelled = second is not None and second.guess_kinds > 0  # heads: their tokens labelled too
+        self.tree = tree and self.labelled  # two-drafter trees (the trie's branch beside the heads')
         self.offset = suffix.guess_kinds  # the second drafter's kinds follow the trie's
         self.policy = ByKind(0, suffix.guess_kinds + (second.guess_kinds if self.labelled else 0))
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
@@ -150,6 +162,7 @@ class AutoProposer(Proposer):
             return Proposal([Draft([]) for _ in seqs])
         rows = [self._row(seq) for seq in seqs]
         drafts = [replace(d, source="suffix") for d in self.suffix.draft(seqs, ks)]
+        tries, heads = list(drafts), [Draft([]) for _ in seqs]
         values = [self._value(d.kinds or [], row.lean.lean) for d, row in zip(drafts, rows)]
         forward = None
         if self.labelled:
@@ -159,7 +172,7 @@ class AutoProposer(Proposer):
             for b, (d, row) in enumerate(zip(second, rows)):
                 if not d.tokens:
                     continue
-                d = replace(d, kinds=[self.offset + kind for kind in d.kinds], source=self.second_name)
+                d = heads[b] = replace(d, kinds=[self.offset + kind for kind in d.kinds], source=self.second_name)
                 value = self._value(d.kinds, row.lean.lean)
                 if value > values[b] or not drafts[b].tokens:
                     drafts[b], values[b] = d, value
@@ -170,7 +183,41 @@ class AutoProposer(Proposer):
             drafts = [d if len(d.tokens) <= w else replace(d, tokens=d.tokens[:w], kinds=d.kinds[:w],
                                                            probs=None if d.probs is None else d.probs[:w])
                       for d in drafts]
+        for row in rows:
+            row.tree = None
+        if self.tree and len(seqs) == 1:  # (in a batch the widest draft widens every row's pass)
+            drafts = [self._tree(drafts[0], tries[0], heads[0], rows[0], ks[0])]
         return Proposal(drafts, forward)
+
+    def _tree(self, chosen: Draft, trie: Draft, heads: Draft, row: _Row, k: int) -> Draft:
+        """The trie's and the heads' drafts as one tree (cut to the widths that pay, `k` nodes at most) where
+        that is expected to give more tokens per second than `chosen`, the better of them; else `chosen`."""
+        base = self._pass(1)
+        if not trie.tokens or not heads.tokens or trie.tokens[0] == heads.tokens[0] or base is None:
+            return chosen
+        lean = row.lean.lean
+        single = (1.0 + self._reach(chosen.kinds, lean)[-1]) / self._pass(len(chosen.tokens) + 1) \
+            if chosen.tokens and chosen.kinds else 1.0 / base
+        reach_t, reach_h = self._reach(trie.kinds, lean), self._reach(heads.kinds, lean)
+        miss = 1.0 - reach_t[0]  # the heads' branch counts where the trie's first token is wrong
+        best, widths = single, None
+        for wt in range(1, min(len(reach_t), k - 1) + 1):
+            for wh in range(1, min(len(reach_h), k - wt) + 1):
+                value = (1.0 + reach_t[wt - 1] + miss * reach_h[wh - 1]) / self._pass(wt + wh + 1)
+                if value > best:
+                    best, widths = value, (wt, wh)
+        if widths is None:
+            return chosen
+        wt, wh = widths
+        probs = None
+        if heads.probs is not None:  # the trie's nodes as point masses beside the heads' distributions
+            points = torch.zeros(wt, heads.probs.shape[-1], dtype=heads.probs.dtype, device=heads.probs.device)
+            points[torch.arange(wt), torch.tensor(trie.tokens[:wt])] = 1.0
+            probs = torch.cat([points, heads.probs[:wh]])
+        row.tree = (trie.kinds[:wt], heads.kinds[:wh])
+        return Draft(trie.tokens[:wt] + heads.tokens[:wh], probs=probs,
+                     parents=list(range(-1, wt - 1)) + [-1] + list(range(wt, wt + wh - 1)),
+                     source=f"suffix+{self.second_name}")
 
     def _with_model(self, seqs, ks, rows: list[_Row], drafts: list[Draft], values: list[float]):
         """The draft model drafts for the sequences where it is worth more than the trie's draft (and probes
@@ -224,7 +271,13 @@ class AutoProposer(Proposer):
             if not draft.tokens:
                 continue
             row = self._row(seq)
-            if draft.kinds is not None:
+            if draft.parents is not None and row.tree is not None:  # each branch learns what it got
+                trie_kinds, heads_kinds = row.tree
+                path = verdict.kept()
+                on_trie = bool(path) and path[0] < len(trie_kinds)
+                self.policy.rates.learn(trie_kinds, len(path) if on_trie else 0, row.lean)
+                self.policy.rates.learn(heads_kinds, len(path) if path and not on_trie else 0, row.lean)
+            elif draft.kinds is not None:
                 self.policy.rates.learn(draft.kinds, verdict.num_accepted, row.lean)
             elif row.model is not None:
                 row.model.update(len(draft.tokens), verdict.num_accepted, 0.9)

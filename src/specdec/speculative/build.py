@@ -41,7 +41,7 @@ def build_proposer(spec: SpeculativeConfig | None, *, vocab_size: int, max_num_s
         method = "draft_model" if draft_model is not None else heads.config.method
         second = _single(spec, vocab_size, max_num_seqs, max_model_len, draft_model, heads, special_ids, method)
         name = method
-    return AutoProposer(_suffix(spec), second, spec.num_speculative_tokens, spec.adaptive, name)
+    return AutoProposer(_suffix(spec), second, spec.num_speculative_tokens, spec.adaptive, name, tree=spec.auto_tree)
 
 
 def _suffix(spec: SpeculativeConfig) -> SuffixProposer:
