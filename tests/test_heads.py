@@ -221,3 +221,27 @@ def test_an_eagle_head_on_the_block_kernels_runs_its_layer_as_one_op(tmp_path, f
             outs.append(h.logits(nodes))
     assert torch.equal(outs[0], outs[1])
     assert torch.allclose(outs[0], outs[2], atol=0.15, rtol=0.05)
+
+
+def test_an_eagle3_head_started_from_an_eagle_head_computes_what_that_head_computes():
+    """`init_from_eagle`: the fusion passes the final hidden state through, the layers' parts weighted 0."""
+    target = tiny_model("qwen2", seed=0)
+    first = EagleHead(HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64))
+    with torch.no_grad():
+        for p in first.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5, generator=torch.Generator().manual_seed(5))
+    first.vocab_ids = torch.arange(10, 74)
+    head = eagle3_head(target)
+    head.init_from_eagle(first)
+    first.attach(target)
+    head.attach(target)
+    assert torch.equal(head.vocab_ids, first.vocab_ids)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(2))
+    _, states = target(ids, torch.arange(9)[None], target.new_cache(1, 9), return_hidden=True, feature_layers=(0,))
+    H = target.config.hidden_size
+    with torch.no_grad():
+        assert torch.allclose(head.features(states), states[..., H:], atol=1e-6)
+        outs = [h(h.features(s)[:, :8], ids[:, 1:], torch.arange(8)[None], h.new_cache(1, 8))
+                for h, s in ((head, states), (first, states[..., H:]))]
+    assert torch.allclose(*outs, atol=1e-5)

@@ -93,7 +93,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
         num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         eagle_cls_weight=args.cls_weight, feature_layers=tuple(args.feature_layers), ttt_steps=args.ttt_steps,
-        curve_every=args.curve_every, init_from=Path(resolve_heads(args.init_from)) if args.init_from else None, distill_batch_size=args.distill_batch_size, threads=args.threads,
+        curve_every=args.curve_every, solutions=args.solutions, init_from=Path(resolve_heads(args.init_from)) if args.init_from else None, distill_batch_size=args.distill_batch_size, threads=args.threads,
         data_dir=Path(args.data_dir) if args.data_dir else DATA_DIR,
     )
     report = train_heads(target, tokenizer, args.model, cfg)
@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--ttt-steps", type=int, default=3, help="EAGLE-3: steps of training-time test")
     heads.add_argument("--curve-every", type=int, default=0, help="held-out top-1 every N steps (report's curve)")
     heads.add_argument("--distill-batch-size", type=int, default=4, help="self-distillation requests at a time")
+    heads.add_argument("--solutions", type=int, default=0,
+                       help="HumanEval training-split tasks (prompt + reference solution) added as windows")
     heads.add_argument("--init-from", help="EAGLE-3: start from these EAGLE heads (a folder or shipped name)")
     heads.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     heads.add_argument("--data-dir", help="the prompt sets (default: the ones shipped in specdec/data)")

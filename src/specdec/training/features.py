@@ -1,8 +1,9 @@
 """The training data of draft heads and the target's features on it, cached in shards.
 
-Windows of token ids come from two sources (all available without a network): the Python standard
-library's sources (`stdlib_windows`) and the target's own greedy answers to the *training split* of
-specdec's prompt sets (`prompt_split`, `self_distilled`). One target pass over each window gives its
+Windows of token ids come from these sources (all available without a network): the Python standard
+library's sources (`stdlib_windows`), the target's own greedy answers to the *training split* of
+specdec's prompt sets (`prompt_split`, `self_distilled`), and that split's HumanEval reference solutions
+(`solution_windows`). One target pass over each window gives its
 features (final hidden states) and the target's greedy next token at every position (`extract_features`).
 """
 
@@ -45,6 +46,15 @@ def prompt_split(data_dir: Path, tokenizer, split: str) -> list[list[int]]:
         code, chat = prompts[: len(humaneval) - 100], prompts[len(humaneval) - 100:]
         prompts = [p for pair in zip(code, chat) for p in pair]
     return prompts
+
+
+def solution_windows(data_dir: Path, tokenizer, count: int, seq_len: int) -> list[list[int]]:
+    """HumanEval's training-split tasks (100 on) as prompt + reference solution, the first `count`, each cut
+    to its last seq_len tokens: code in the form the code prompts ask for, far cheaper than the target's own
+    answers (teacher-forced: the labels are still the target's choices)."""
+    with gzip.open(data_dir / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        tasks = [json.loads(line) for line in f][100:100 + count]
+    return [tokenizer.encode(t["prompt"] + t["canonical_solution"])[-seq_len:] for t in tasks]
 
 
 def stdlib_windows(tokenizer, total_tokens: int, seq_len: int, seed: int) -> list[list[int]]:

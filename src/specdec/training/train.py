@@ -28,8 +28,8 @@ from specdec.data import DATA_DIR
 from specdec.heads.modules import (EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, read_heads_config,
                                    save_heads, target_fingerprint)
 from specdec.training.features import (
-    choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, stdlib_windows,
-    tokens_by_source,
+    choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, solution_windows,
+    stdlib_windows, tokens_by_source,
 )
 from specdec.training.losses import eagle_losses, evaluate, evaluate_chains, medusa_losses, ttt_losses
 
@@ -57,6 +57,7 @@ class TrainConfig:
     ttt_steps: int = 3
     curve_every: int = 0  # held-out top-1 every this many steps (the report's `curve`); 0: at the end only
     distill_batch_size: int = 4
+    solutions: int = 0  # HumanEval training-split tasks whose prompt + reference solution are windows
     init_from: Path | None = None  # EAGLE-3: start from these trained EAGLE-1 heads (`EagleHead.init_from_eagle`)
     threads: int = 0  # torch's intra-op threads while training (0: leave torch's setting)
     seed: int = 0
@@ -106,6 +107,8 @@ def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list
     distilled = (self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len, cfg.distill_batch_size)
                  if prompts else [])
     windows = {"self_distill": distilled, "stdlib": stdlib_windows(tokenizer, cfg.corpus_tokens, cfg.seq_len, cfg.seed)}
+    if cfg.solutions:
+        windows["humaneval_solutions"] = solution_windows(cfg.data_dir, tokenizer, cfg.solutions, cfg.seq_len)
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps(windows))
     return windows
