@@ -165,7 +165,8 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
     assert len(report["held_out_top1_per_depth"]) == 3
     assert 1 <= report["held_out_chain_tokens_per_pass_estimate"] <= 4
     curve = report["curve"]
-    assert [p["step"] for p in curve] == [*range(4, report["steps"], 4), report["steps"]]
+    assert [p["step"] for p in curve] == [*range(0, report["steps"], 4), report["steps"]]
+    assert curve[0]["held_out_top1"] == report["held_out_top1_before"] and curve[0]["train_tokens_seen"] == 0
     assert all(len(p["held_out_top1"]) == 3 for p in curve)
     assert [p["train_tokens_seen"] for p in curve] == sorted(p["train_tokens_seen"] for p in curve)
     head = load_heads(tmp_path / "heads", target, "eagle")

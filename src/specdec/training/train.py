@@ -31,7 +31,7 @@ from specdec.training.features import (
     choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, solution_windows,
     stdlib_windows, tokens_by_source,
 )
-from specdec.training.losses import eagle_losses, evaluate, evaluate_chains, medusa_losses, ttt_losses
+from specdec.training.losses import eagle_losses, evaluate_chains, medusa_losses, ttt_losses
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,10 @@ def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     with torch.inference_mode(False), torch.enable_grad():
         run = _setup(target, target_name, cfg, shards)
         _resume(run, cfg.out / "checkpoint.pt")
-        before = evaluate(run.head, run.eval_windows, run.to_reduced, run.ttt_steps) if run.step == 0 else None
+        before = None
+        if run.step == 0:  # (with a curve: its first point, the heads as they start)
+            start = _held_out(run, cfg)
+            before, run.curve = start["held_out_top1"], [start] if cfg.curve_every else []
         _loop(run, cfg)
         report = _report(run, cfg, target_name, shards, extract_time, before)
         run.head.config = dataclasses.replace(run.head.config, training=report)
