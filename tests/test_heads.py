@@ -122,6 +122,14 @@ def test_ttt_mask_sees_the_committed_pairs_and_its_own_chain():
     assert ttt_mask(3, 3).shape == (3, 9)
 
 
+def test_a_chain_accepts_the_leading_steps_that_agree():
+    from specdec.training.losses import leading_agreement
+
+    rights = [torch.tensor([[True, True, False]]), torch.tensor([[True, False, True]]),
+              torch.tensor([[False, True, True]])]
+    assert leading_agreement(rights).tolist() == [[2, 1, 0]]
+
+
 def test_training_time_test_computes_what_the_head_computes_when_it_drafts():
     """Step 1 of `ttt_losses` at position t is the head's pass over the committed pairs; step 2 at t is the pass
     the proposer makes for a chain's second node: the root's output and the next token at position t + 1,

@@ -81,7 +81,7 @@ def ttt_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, steps: in
     n = T - steps
     x = head.features(hidden[:, :n].to(head.dtype))  # [B, n, H]
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
-    loss, hits, agree = 0.0, [], None
+    loss, hits, rights = 0.0, [], []
     for k in range(steps):
         positions = torch.arange(k, k + n, device=x.device)
         inputs = head.fc(torch.cat([x, head.embed(tokens[:, 1 + k:1 + k + n]).to(x.dtype)], -1))
@@ -92,12 +92,21 @@ def ttt_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, steps: in
         labels = target_next[:, 1 + k:1 + k + n]
         cls = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), to_reduced[labels].reshape(-1), ignore_index=-100)
         loss = loss + decay ** k * cls
-        right = head.vocab_ids[logits.argmax(-1)] == labels  # [B, n]
-        hits.append((int(right.sum()), labels.numel()))
-        agree = right if agree is None else agree & right
-        accepted = agree if k == 0 else accepted + agree
+        rights.append(head.vocab_ids[logits.argmax(-1)] == labels)  # [B, n]
+        hits.append((int(rights[-1].sum()), labels.numel()))
         x = pred
-    return loss, hits, (int(accepted.sum()), B * n)
+    return loss, hits, (int(leading_agreement(rights).sum()), B * n)
+
+
+def leading_agreement(rights: list[torch.Tensor]) -> torch.Tensor:
+    """How many leading steps agree at each position: what a chain of len(rights) tokens would have accepted.
+    rights: per step, bool [...]. Example: steps [[1, 1, 0]], [[1, 0, 1]], [[0, 1, 1]] (3 positions) -> [[2, 1, 0]]."""
+    agree = torch.ones_like(rights[0])
+    count = torch.zeros(rights[0].shape, dtype=torch.long, device=rights[0].device)
+    for right in rights:
+        agree = agree & right
+        count += agree
+    return count
 
 
 def ttt_mask(n: int, step: int, device=None) -> torch.Tensor:
