@@ -178,7 +178,8 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
     assert all(len(p["held_out_top1"]) == 3 for p in curve)
     assert [p["train_tokens_seen"] for p in curve] == sorted(p["train_tokens_seen"] for p in curve)
     head = load_heads(tmp_path / "heads", target, "eagle")
-    assert head.config.feature_layers == (0,) and head.features(torch.zeros(2, 2 * 64, dtype=torch.bfloat16)).shape[-1] == 64
+    assert head.config.feature_layers == (0,)
+    assert head.features(torch.zeros(2, 2 * 64, dtype=torch.bfloat16)).shape == (2, 64)
     again = train_heads(target, ByteTokenizer(), "tiny", cfg)
     assert again["train_time_s"] == report["train_time_s"] and again["curve"] == report["curve"]
 

@@ -93,7 +93,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
         num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         eagle_cls_weight=args.cls_weight, feature_layers=tuple(args.feature_layers), ttt_steps=args.ttt_steps,
-        curve_every=args.curve_every, solutions=args.solutions, init_from=Path(resolve_heads(args.init_from)) if args.init_from else None, distill_batch_size=args.distill_batch_size, threads=args.threads,
+        curve_every=args.curve_every, solutions=args.solutions, distill_batch_size=args.distill_batch_size,
+        init_from=Path(resolve_heads(args.init_from)) if args.init_from else None, threads=args.threads,
         data_dir=Path(args.data_dir) if args.data_dir else DATA_DIR,
     )
     report = train_heads(target, tokenizer, args.model, cfg)

@@ -107,8 +107,8 @@ def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list
         prompts = prompt_split(cfg.data_dir, tokenizer, "train")[: cfg.self_distill_prompts]
     else:
         prompts = []
-    distilled = (self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len, cfg.distill_batch_size)
-                 if prompts else [])
+    distilled = self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len,
+                               cfg.distill_batch_size) if prompts else []
     windows = {"self_distill": distilled, "stdlib": stdlib_windows(tokenizer, cfg.corpus_tokens, cfg.seq_len, cfg.seed)}
     if cfg.solutions:
         windows["humaneval_solutions"] = solution_windows(cfg.data_dir, tokenizer, cfg.solutions, cfg.seq_len)
