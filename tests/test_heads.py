@@ -75,3 +75,183 @@ def test_medusa_heads_asked_for_the_first_n_give_those_heads_logits():
         assert torch.allclose(head(hidden, n), every[:n], atol=1e-6)
     alone = head.logits(head.blocks[1](hidden))
     assert torch.allclose(every[1], alone, atol=1e-6)
+
+
+def test_the_target_returns_the_feature_layers_before_its_final_hidden_states():
+    target = tiny_model("qwen2", seed=0)
+    ids = torch.tensor([[3, 9, 27, 81, 5]])
+    H = target.config.hidden_size
+    _, final = target(ids, torch.arange(5)[None], target.new_cache(1, 8), return_hidden=True)
+    _, fused = target(ids, torch.arange(5)[None], target.new_cache(1, 8), return_hidden=True, feature_layers=(0,))
+    assert fused.shape == (1, 5, 2 * H)
+    assert torch.equal(fused[..., H:], final)  # the same bits: the layers' outputs are only returned
+    assert not torch.equal(fused[..., :H], final)
+
+
+def eagle3_head(target, steps_seed: int = 0) -> EagleHead:
+    """An EAGLE-3-style head on `target` (layer 0 fused with the final states), random weights."""
+    torch.manual_seed(steps_seed)
+    config = HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64, feature_layers=(0,))
+    head = EagleHead(config)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5)
+    return head.attach(target)
+
+
+def test_an_eagle3_head_fuses_the_target_layers_into_one_feature():
+    target = tiny_model("qwen2", seed=0)
+    head = eagle3_head(target)
+    H = target.config.hidden_size
+    assert head.config.feature_layers == (0,)
+    assert head.features(torch.randn(7, 2 * H)).shape == (7, H)
+    cache = head.new_cache(2, 16)
+    out = head(torch.randn(2, 5, H), torch.randint(0, 64, (2, 5)), torch.arange(5).expand(2, 5), cache)
+    assert out.shape == (2, 5, H) and head.logits(out).shape == (2, 5, 64)
+    plain = EagleHead(HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64)).attach(target)
+    x = torch.randn(3, H)
+    assert plain.features(x) is x  # EAGLE-1: the final hidden state is the feature
+
+
+def test_ttt_mask_sees_the_committed_pairs_and_its_own_chain():
+    from specdec.training.losses import ttt_mask
+
+    assert ttt_mask(2, 1).int().tolist() == [[1, 0], [1, 1]]
+    assert ttt_mask(2, 2).int().tolist() == [[1, 0, 1, 0], [1, 1, 0, 1]]
+    assert ttt_mask(3, 3).shape == (3, 9)
+
+
+def test_a_chain_accepts_the_leading_steps_that_agree():
+    from specdec.training.losses import leading_agreement
+
+    rights = [torch.tensor([[True, True, False]]), torch.tensor([[True, False, True]]),
+              torch.tensor([[False, True, True]])]
+    assert leading_agreement(rights).tolist() == [[2, 1, 0]]
+
+
+def test_training_time_test_computes_what_the_head_computes_when_it_drafts():
+    """Step 1 of `ttt_losses` at position t is the head's pass over the committed pairs; step 2 at t is the pass
+    the proposer makes for a chain's second node: the root's output and the next token at position t + 1,
+    seeing the committed pairs 0..t and itself."""
+    from specdec.training.losses import _layer_over_steps, ttt_mask
+
+    target = tiny_model("qwen2", seed=0)
+    head = eagle3_head(target)
+    H, n = target.config.hidden_size, 6
+    ids = torch.randint(0, 64, (1, n + 2), generator=torch.Generator().manual_seed(1))
+    _, states = target(ids, torch.arange(n + 2)[None], target.new_cache(1, n + 2), return_hidden=True,
+                       feature_layers=(0,))
+    with torch.no_grad():
+        x = head.features(states[:, :n])
+        inputs = head.fc(torch.cat([x, head.embed(ids[:, 1:1 + n])], -1))
+        out1, kv = _layer_over_steps(head, inputs, torch.arange(n), [], ttt_mask(n, 1))
+        pred1 = head.norm(out1)
+        inputs2 = head.fc(torch.cat([pred1, head.embed(ids[:, 2:2 + n])], -1))
+        pred2 = head.norm(_layer_over_steps(head, inputs2, torch.arange(1, n + 1), [kv], ttt_mask(n, 2))[0])
+
+        cache = head.new_cache(1, n + 4)
+        step1 = head(x, ids[:, 1:1 + n], torch.arange(n)[None], cache)
+        assert torch.allclose(step1, pred1, atol=1e-5)
+        for t in (0, 3, n - 1):
+            cache = head.new_cache(1, n + 4)
+            root = head(x[:, :t + 1], ids[:, 1:t + 2], torch.arange(t + 1)[None], cache)[:, -1:]
+            cache.advance(0, t + 1)
+            node = head(root, ids[:, t + 2:t + 3], torch.tensor([[t + 1]]), cache,
+                        mask=torch.ones(1, 1, 1, dtype=torch.bool))
+            assert torch.allclose(node[0, 0], pred2[0, t], atol=1e-5), t
+
+
+def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_path):
+    target = tiny_model("qwen2", dtype=torch.bfloat16)
+    cfg = TrainConfig(method="eagle", out=tmp_path / "heads", corpus_tokens=2048, self_distill_prompts=0,
+                      seq_len=64, vocab_size=64, epochs=3, batch_size=4, lr=3e-3, checkpoint_every=5,
+                      feature_layers=(0,), ttt_steps=3, curve_every=4)
+    report = train_heads(target, ByteTokenizer(), "tiny", cfg)
+    assert report["final_loss"] < report["first_loss"]
+    assert report["feature_layers"] == [0] and report["ttt_steps"] == 3
+    assert len(report["held_out_top1_per_depth"]) == 3
+    assert 1 <= report["held_out_chain_tokens_per_pass_estimate"] <= 4
+    curve = report["curve"]
+    assert [p["step"] for p in curve] == [*range(0, report["steps"], 4), report["steps"]]
+    assert curve[0]["held_out_top1"] == report["held_out_top1_before"] and curve[0]["train_tokens_seen"] == 0
+    assert all(len(p["held_out_top1"]) == 3 for p in curve)
+    assert [p["train_tokens_seen"] for p in curve] == sorted(p["train_tokens_seen"] for p in curve)
+    head = load_heads(tmp_path / "heads", target, "eagle")
+    assert head.config.feature_layers == (0,)
+    assert head.features(torch.zeros(2, 2 * 64, dtype=torch.bfloat16)).shape == (2, 64)
+    again = train_heads(target, ByteTokenizer(), "tiny", cfg)
+    assert again["train_time_s"] == report["train_time_s"] and again["curve"] == report["curve"]
+
+
+@pytest.mark.parametrize("feature_layers", [(), (0,)])
+def test_an_eagle_head_on_the_block_kernels_runs_its_layer_as_one_op(tmp_path, feature_layers):
+    """On a target on the block kernels, the head's layer is one kernel op (Q/K/V and gate/up one Q8_0
+    matrix each): its outputs are those of the head run matrix by matrix (within bf16 rounding), and the same
+    bits on every run (drafts are deterministic)."""
+    from safetensors.torch import load_file
+    from test_tokenizer import write_tiny_gguf
+
+    from specdec.api import load_model
+    from specdec.heads.modules import _Head, read_heads_config
+    from specdec.speculative.tree import ancestor_mask
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    target, _, _ = load_model(str(path), torch.bfloat16, torch.device("cpu"), "gguf")
+    assert target.on_block_kernels
+    head = eagle3_head(target) if feature_layers else EagleHead(
+        HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64)).attach(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5, generator=torch.Generator().manual_seed(3))
+    save_heads(head, tmp_path / "heads")
+    fused = load_heads(tmp_path / "heads", target, "eagle")
+    assert fused.layer.fused_args is not None
+    per_matrix = EagleHead(read_heads_config(tmp_path / "heads"))
+    per_matrix.load_state_dict(load_file(str(tmp_path / "heads" / "model.safetensors")))
+    per_matrix = _Head.to_block_kernels(per_matrix.to(torch.bfloat16).attach(target).eval(), target)
+    assert per_matrix.layer.fused_args is None
+
+    H = target.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(1, 12, H * (len(feature_layers) + 1), generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 12), generator=gen)
+    parents = [-1, -1, 0, 0, 2]
+    mask = ancestor_mask(parents)[1:, 1:][None]
+    outs = []
+    for h in (fused, fused, per_matrix):
+        with torch.no_grad():
+            cache = h.new_cache(1, 32)
+            feats = h.features(states)
+            h(feats[:, :7], ids[:, 1:8], torch.arange(7)[None], cache)
+            cache.advance(0, 7)
+            nodes = h(feats[:, 7:12], ids[:, 7:12], torch.tensor([[7, 7, 8, 8, 9]]), cache, mask=mask)
+            outs.append(h.logits(nodes))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.allclose(outs[0], outs[2], atol=0.15, rtol=0.05)
+
+
+def test_an_eagle3_head_started_from_an_eagle_head_computes_what_that_head_computes():
+    """`init_from_eagle`: the fusion passes the final hidden state through, the layers' parts weighted 0."""
+    target = tiny_model("qwen2", seed=0)
+    first = EagleHead(HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64))
+    with torch.no_grad():
+        for p in first.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5, generator=torch.Generator().manual_seed(5))
+    first.vocab_ids = torch.arange(10, 74)
+    head = eagle3_head(target)
+    head.init_from_eagle(first)
+    first.attach(target)
+    head.attach(target)
+    assert torch.equal(head.vocab_ids, first.vocab_ids)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(2))
+    _, states = target(ids, torch.arange(9)[None], target.new_cache(1, 9), return_hidden=True, feature_layers=(0,))
+    H = target.config.hidden_size
+    with torch.no_grad():
+        assert torch.allclose(head.features(states), states[..., H:], atol=1e-6)
+        outs = [h(h.features(s)[:, :8], ids[:, 1:], torch.arange(8)[None], h.new_cache(1, 8))
+                for h, s in ((head, states), (first, states[..., H:]))]
+    assert torch.allclose(*outs, atol=1e-5)

@@ -55,8 +55,9 @@ def heads_dir(method: str, tmp_root: str) -> str:
     with torch.inference_mode(False):
         gen = torch.Generator().manual_seed(7)
         prompts = tuple(tuple(torch.randint(0, 96, (8,), generator=gen).tolist()) for _ in range(48))
+        eagle3 = {"feature_layers": (0,), "ttt_steps": 3} if method == "eagle3" else {}  # EAGLE-3 style
         train_heads(target("fp32"), ByteTokenizer(), "tiny", TrainConfig(
-            method=method, out=out, corpus_tokens=0, self_distill_prompts=48, self_distill_tokens=56,
+            method=method.removesuffix("3"), out=out, **eagle3, corpus_tokens=0, self_distill_prompts=48, self_distill_tokens=56,
             prompts=prompts, seq_len=64, vocab_size=97, num_heads=3, epochs=8, batch_size=4, lr=3e-3,
             checkpoint_every=1000,
         ))
@@ -72,7 +73,7 @@ def trained(tmp_path_factory):
 def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_size: int = 1,
                 max_len: int = MAX_LEN, adaptive: bool = False) -> Engine:
     model = target(dtype_name)
-    head = load_heads(trained(method), model, method)
+    head = load_heads(trained(method), model, method.removesuffix("3"))
     if isinstance(tree, DynamicTree) or tree is None:
         shape = tree
     else:
@@ -93,7 +94,8 @@ def plain(dtype_name: str, prompt, params=GREEDY, max_len: int = MAX_LEN):
 
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
 @pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("method,k", [("medusa", 1), ("medusa", 3), ("eagle", 1), ("eagle", 3), ("eagle", 5)])
+@pytest.mark.parametrize("method,k", [("medusa", 1), ("medusa", 3), ("eagle", 1), ("eagle", 3), ("eagle", 5),
+                                      ("eagle3", 1), ("eagle3", 3)])
 def test_greedy_equals_plain_decoding(trained, method, k, tree, dtype_name):
     engine = make_engine(trained, method, dtype_name, k, TREES[tree])
     accepted = 0
@@ -126,7 +128,7 @@ def test_tree_steps_keep_nodes_off_the_first_branch(trained, method):
     assert off_branch > 0
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_batched_requests_joining_late_equal_their_plain_output(trained, method):
     engine = make_engine(trained, method, "bf16", 3, "default", max_batch_size=3)
     requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
@@ -136,7 +138,7 @@ def test_batched_requests_joining_late_equal_their_plain_output(trained, method)
 
 
 @pytest.mark.parametrize("tree", ["default", "dynamic tree"])
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_seeded_tree_sampling_is_reproducible_and_batch_independent(trained, method, tree):
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     alone = []
@@ -150,7 +152,7 @@ def test_seeded_tree_sampling_is_reproducible_and_batch_independent(trained, met
     assert len({tuple(a) for a in alone}) == 3
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_trees_run_to_the_very_end_of_the_context(trained, method):
     """A wide tree near the end of the context (more nodes than tokens left), beside a long prompt that
     joins late: no overflow, output exact, and it stops at the context length."""
@@ -228,7 +230,7 @@ def test_a_head_chain_labels_each_token_by_its_depth_and_how_sure_the_head_is():
     assert tree.guess_kinds == 0 and tree.draft([HeadSeq()], [3])[0].kinds is None
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_adaptive_head_chains_are_cut_by_kind_of_guess_and_stay_exact(trained, method):
     """Adaptive heads: the controller learns each kind's acceptance from the labelled chains and cuts each
     step's draft to the width that pays (`ByKind`); the output is still plain decoding's, token for token."""

@@ -78,6 +78,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from specdec.models.loading import resolve_dtype
     from specdec.models.quant import resolve_quantization
     from specdec.models.store import KNOWN_MODELS, pull
+    from specdec.heads.modules import resolve_heads
     from specdec.training import TrainConfig, train_heads
 
     if args.model in KNOWN_MODELS:
@@ -91,7 +92,9 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         corpus_tokens=args.corpus_tokens, self_distill_prompts=args.self_distill_prompts,
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
         num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-        eagle_cls_weight=args.cls_weight,
+        eagle_cls_weight=args.cls_weight, feature_layers=tuple(args.feature_layers), ttt_steps=args.ttt_steps,
+        curve_every=args.curve_every, solutions=args.solutions, distill_batch_size=args.distill_batch_size,
+        init_from=Path(resolve_heads(args.init_from)) if args.init_from else None, threads=args.threads,
         data_dir=Path(args.data_dir) if args.data_dir else DATA_DIR,
     )
     report = train_heads(target, tokenizer, args.model, cfg)
@@ -157,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--batch-size", type=int, default=4)
     heads.add_argument("--lr", type=float, default=1e-3)
     heads.add_argument("--cls-weight", type=float, default=0.1, help="EAGLE: token loss weight (feature loss: 1)")
+    heads.add_argument("--feature-layers", type=int, nargs="*", default=[],
+                       help="EAGLE-3 style: target layers fused with the final hidden state (e.g. 2 14)")
+    heads.add_argument("--ttt-steps", type=int, default=3, help="EAGLE-3: steps of training-time test")
+    heads.add_argument("--curve-every", type=int, default=0, help="held-out top-1 every N steps (report's curve)")
+    heads.add_argument("--distill-batch-size", type=int, default=4, help="self-distillation requests at a time")
+    heads.add_argument("--solutions", type=int, default=0,
+                       help="HumanEval training-split tasks (prompt + reference solution) added as windows")
+    heads.add_argument("--init-from", help="EAGLE-3: start from these EAGLE heads (a folder or shipped name)")
+    heads.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     heads.add_argument("--data-dir", help="the prompt sets (default: the ones shipped in specdec/data)")
     add_weight_arguments(heads)
     heads.set_defaults(func=cmd_train_heads)

@@ -180,7 +180,8 @@ class Engine:
         drafts = self.controller.cut([verifiable(seq, d, self.vocab_size) for seq, d in zip(seqs, proposal.drafts)],
                                      [s.estimate for s in seqs])
         t1 = self._now()
-        target_logits, hidden = verify(self.target, self.cache, seqs, drafts)  # [B, T, V], [B, T, H]
+        target_logits, hidden = verify(self.target, self.cache, seqs, drafts,
+                                       self.proposer.feature_layers)  # [B, T, V], [B, T, F]
         t2 = self._now()
         judged = [self._isolated(seq, self._judge, seq, draft, target_logits[b])
                   for b, (seq, draft) in enumerate(zip(seqs, drafts))]

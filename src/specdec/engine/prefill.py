@@ -42,7 +42,7 @@ class Prefill:
         wants = seq.prompt_logprobs is not None
         logits, hidden = target(chunk, torch.arange(start, stop, device=device)[None],
                                      self.cache.row_view(seq.row), num_logits=stop - start if wants else 1,
-                                     return_hidden=True)
+                                     return_hidden=True, feature_layers=self.proposer.feature_layers)
         if wants:  # position i scores prompt token i + 1, under the model's raw distribution
             seq.prompt_logprobs.extend(token_logprobs(torch.log_softmax(logits[0].float(), dim=-1),
                                                       seq.prompt_ids[start + 1:stop + 1], seq.params.prompt_logprobs))

@@ -31,9 +31,11 @@ def verifiable(seq, draft: Draft, vocab_size: int) -> Draft:
     return Draft([])
 
 
-def verify(target, cache: KVCache, seqs: list, drafts: list[Draft]) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(target, cache: KVCache, seqs: list, drafts: list[Draft],
+           feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """One target pass over `[last, *draft]` for every sequence: logits [B, T, V] and the final hidden
-    states [B, T, H] (for the proposers that read them)."""
+    states [B, T, H] (for the proposers that read them), after the outputs of `feature_layers` if any
+    (`Proposer.feature_layers`)."""
     width = 1 + max(len(d.tokens) for d in drafts)
     trees = any(d.parents is not None for d in drafts)
     rows, positions, masks = [], [], []
@@ -53,4 +55,5 @@ def verify(target, cache: KVCache, seqs: list, drafts: list[Draft]) -> tuple[tor
         positions.append([start + d for d in [0, *depths(parents)]] + [start + 1] * (width - n))
     device = target.device
     return target(torch.tensor(rows, device=device), torch.tensor(positions, device=device), cache,
-                  mask=torch.stack(masks).to(device) if trees else None, return_hidden=True)
+                  mask=torch.stack(masks).to(device) if trees else None, return_hidden=True,
+                  feature_layers=feature_layers)

@@ -10,6 +10,10 @@ reduced vocabulary is simply never drafted (drafts never change the output, only
 - EAGLE (Li et al. 2024): one decoder layer, run autoregressively on features. The input for token t is
   the target's hidden state of token t fused with the embedding of token t + 1; the output is the
   predicted hidden state of token t + 1, whose output-layer logits guess token t + 2.
+- EAGLE-3 (Li et al. 2025): the same layer, but the target's feature of token t fuses low, middle and high
+  layers (`feature_layers`: the outputs of those layers, each RMS-normed, then the final hidden state, one
+  linear map to the hidden size), and the head is trained on its own outputs for several steps ("training-time
+  test", `specdec.training.losses.ttt_losses`), so that its output is simply the next step's feature.
 
 Heads are saved as `model.safetensors` + `config.json` naming the target and a fingerprint of its
 weights; loading them for another target is refused.
@@ -33,7 +37,7 @@ from specdec.config import ModelConfig
 from specdec.data import DATA_DIR
 from specdec.kernels.qgemm import quantize_q8_0
 from specdec.models.kv_cache import KVCache
-from specdec.models.llama import DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
+from specdec.models.llama import Attention, DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
 from specdec.models.qlinear import Q8_0, QuantLinear
 
 HEAD_METHODS = ("medusa", "eagle")
@@ -58,11 +62,15 @@ class HeadsConfig:
     intermediate_size: int = 0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # eagle, EAGLE-3 style: the target layers whose outputs are fused with its final hidden states into the
+    # head's input feature (empty: the final hidden states alone, EAGLE-1)
+    feature_layers: tuple[int, ...] = ()
     training: dict[str, Any] = field(default_factory=dict)  # the training report
 
     def __post_init__(self) -> None:
         if self.method not in HEAD_METHODS:
             raise ValueError(f"unknown head method {self.method!r}; choose one of {', '.join(HEAD_METHODS)}")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))  # (JSON: a list)
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(
@@ -182,6 +190,10 @@ class EagleHead(_Head):
         super().__init__(config)
         H = config.hidden_size
         self.fc = nn.Linear(2 * H, H)
+        parts = len(config.feature_layers) + 1
+        if parts > 1:  # EAGLE-3: the target's features of several layers -> one feature
+            self.feature_norms = nn.ModuleList(RMSNorm(H, config.rms_norm_eps) for _ in range(parts - 1))
+            self.fuse = nn.Linear(parts * H, H, bias=False)
         self.layer = DecoderLayer(config.layer_config(), 0)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.layer_config()), persistent=False)
@@ -193,12 +205,49 @@ class EagleHead(_Head):
         self.inv_freq = rope_inv_freq(self.config.layer_config()).to(target.device)
         return self
 
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input feature [..., H] of the target's states [..., F] (the outputs of `feature_layers`,
+        then the final hidden state; F = H without feature layers, when this is the identity)."""
+        if not self.config.feature_layers:
+            return hidden
+        *layers, final = hidden.to(self.dtype).split(self.config.hidden_size, -1)
+        return self.fuse(torch.cat([norm(p) for norm, p in zip(self.feature_norms, layers)] + [final], -1))
+
+    def init_from_eagle(self, other: "EagleHead") -> None:
+        """Start from a trained EAGLE-1 head of the same shape: its layer, fc, norm and vocabulary, and a
+        fusion that passes the final hidden state through (the layers' parts weighted 0), so that the new
+        head starts out computing exactly what `other` computes."""
+        state = {k: v for k, v in other.state_dict().items() if not k.startswith(("fuse.", "feature_norms."))}
+        self.vocab_ids = other.vocab_ids.clone()
+        self.load_state_dict(state, strict=False)
+        H = self.config.hidden_size
+        with torch.no_grad():
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, -H:] = torch.eye(H)
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache(self.config.layer_config(), batch_size, capacity, self.dtype, self.vocab_ids.device)
 
+    def to_block_kernels(self, target) -> "EagleHead":
+        """As `_Head.to_block_kernels`, and the decoder layer run as the target's layers run: Q/K/V and
+        gate/up as one Q8_0 matrix each, norms, rope and attention as CPU ops, the whole layer as one op
+        (`DecoderLayer.fuse`), so a head pass is one kernel call for the layer instead of a dozen torch ops
+        and a Python loop over query blocks."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        if self.config.hidden_size % 32 or self.config.intermediate_size % 32 or attn.o_proj.in_features % 32:
+            return super().to_block_kernels(target)  # rows that do not fill Q8_0 blocks stay float
+        attn.fuse_qkv(_q8_linear([attn.q_proj, attn.k_proj, attn.v_proj]))
+        mlp.fuse_gate_up(_q8_linear([mlp.gate_proj, mlp.up_proj]))
+        super().to_block_kernels(target)  # fc, o_proj, down_proj
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.fused = True
+        self.layer.fuse()
+        return self
+
     def forward(
         self,
-        features: torch.Tensor,  # [B, T, H] hidden state of token t (the target's, or predicted)
+        features: torch.Tensor,  # [B, T, H] feature of token t (the target's, `features`, or predicted)
         next_tokens: torch.Tensor,  # [B, T] token t + 1
         positions: torch.Tensor,  # [B, T]
         cache: KVCache,
@@ -209,8 +258,20 @@ class EagleHead(_Head):
         dtype = self.dtype
         x = torch.cat([features.to(dtype), self.embed(next_tokens).to(dtype)], -1)
         cos, sin, write_slots, full_mask, key_index = attention_inputs(cache, positions, mask, self.inv_freq, dtype)
-        h = self.layer(self.fc(x), cos, sin, cache, write_slots, full_mask, key_index)
+        slots = write_slots  # (the fused layer's write slots: rows of equal length take the next T of each)
+        if slots is None and self.layer.fused_args is not None:
+            B, T = next_tokens.shape
+            slots = cache.lengths[0] + torch.arange(T, device=next_tokens.device).expand(B, T)
+        h = self.layer(self.fc(x), cos, sin, cache, write_slots, full_mask, key_index, slots)
         return self.norm(h)
+
+
+def _q8_linear(linears: list[nn.Linear]) -> QuantLinear:
+    """One Q8_0 `QuantLinear` computing concat(linear(x) for linears), biases concatenated (all or none)."""
+    parts = [(quantize_q8_0(m.weight.detach().float()), Q8_0) for m in linears]
+    biases = [m.bias for m in linears if m.bias is not None]
+    bias = torch.cat([b.detach().float() for b in biases]) if biases else None
+    return QuantLinear(parts, linears[0].in_features, bias)
 
 
 HEAD_CLASSES = {"medusa": MedusaHeads, "eagle": EagleHead}

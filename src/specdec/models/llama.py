@@ -434,8 +434,12 @@ class Transformer(nn.Module):
         num_logits: int | None = None,  # logits for the last n tokens only; None: all T
         return_hidden: bool = False,
         head: nn.Module | None = None,  # the output layer, if not lm_head (a draft's vocabulary: `output_rows`)
+        feature_layers: tuple[int, ...] = (),  # with return_hidden: these layers' outputs too (EAGLE-3 heads)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, n, vocab] (fp32) and, if asked, the final hidden states [B, T, hidden].
+        """Logits [B, n, vocab] (fp32) and, if asked, the final hidden states [B, T, hidden], preceded along
+        the last axis by the outputs of `feature_layers` (the residual stream after those layers, as computed:
+        [B, T, (len(feature_layers) + 1) * hidden]). Example: feature_layers (2, 14) -> the outputs of layers
+        2 and 14, then the final normed states.
 
         The new tokens of row b go to cache slots `cache.lengths[b] + t`; they see every committed slot
         of their row and the new tokens that `mask` allows (causal by default; a tree mask for tree drafts).
@@ -448,8 +452,13 @@ class Transformer(nn.Module):
         slots = write_slots  # (what the fused layers need; rows of equal length: the next T slots of each)
         if slots is None and any(layer.fused_args is not None for layer in self.model.layers):
             slots = cache.lengths[0] + torch.arange(T, device=tokens.device).expand(B, T)
-        for layer in self.model.layers:
+        features = []
+        for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, cache, write_slots, full_mask, key_index, slots)
+            if i in feature_layers:
+                features.append(h)
         h = self.model.norm(h)
         logits = (head or self.lm_head)(h if num_logits is None else h[:, -num_logits:]).float()
-        return (logits, h) if return_hidden else logits
+        if not return_hidden:
+            return logits
+        return logits, (torch.cat([*features, h], -1) if features else h)

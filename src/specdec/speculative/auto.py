@@ -85,6 +85,7 @@ class AutoProposer(Proposer):
             self.restart_tokens = second.restart_tokens
             self.cache = second.cache
             self.kv_shift = second.kv_shift
+            self.feature_layers = second.feature_layers
 
     @property
     def drafts_with_model(self) -> bool:

@@ -206,14 +206,16 @@ class EagleProposer(_FeatureProposer):
                  tree: TreeShape | DynamicTree | None = None, max_depth: int = 8) -> None:
         super().__init__(head, vocab_size, tree, max_depth)
         self.cache = head.new_cache(max_batch_size, capacity + self.max_width(max_depth))
+        self.feature_layers = head.config.feature_layers  # EAGLE-3: the target's layers it fuses
 
     @property
     def memory_bytes(self) -> int:
         return super().memory_bytes + self.cache.nbytes
 
-    # a sequence's state (`seq.draft_state`): [m, H], the target features not yet paired (None: none)
+    # a sequence's state (`seq.draft_state`): [m, H], the head's features of target states not yet paired
     def observe_hidden(self, seq, hidden: torch.Tensor) -> None:
-        seq.draft_state = hidden if seq.draft_state is None else torch.cat([seq.draft_state, hidden])
+        feats = self.head.features(hidden)  # [m, F] -> [m, H]
+        seq.draft_state = feats if seq.draft_state is None else torch.cat([seq.draft_state, feats])
 
     def cached_tokens(self, seq) -> int:
         """Leading tokens of `seq` that the pairs in the head's cache were made of."""

@@ -58,7 +58,8 @@ class PromptChunk:
     seq: Any
     start: int
     stop: int
-    hidden: torch.Tensor  # [stop - start, H] the target's final hidden states of those tokens
+    hidden: torch.Tensor  # [stop - start, F] the target's final hidden states of those tokens (F = H, or more
+    # with `Proposer.feature_layers`)
     batch: Joining
 
 
@@ -84,6 +85,9 @@ class Proposer:
     # adaptive controller learns each kind's rate and cuts drafts where their tokens stop paying, `ByKind`)
     restart_tokens = 0
     guess_kinds = 0
+    # the target layers whose outputs it reads beside the final hidden states (EAGLE-3 heads fuse low, middle
+    # and high layers): the engine asks every pass for them, `hidden` then being [T, (len + 1) * H]
+    feature_layers: tuple[int, ...] = ()
     controller = None  # the `SpeculationController` that runs it (`bind`)
 
     def max_width(self, k: int) -> int:

@@ -1,8 +1,9 @@
 """The training data of draft heads and the target's features on it, cached in shards.
 
-Windows of token ids come from two sources (all available without a network): the Python standard
-library's sources (`stdlib_windows`) and the target's own greedy answers to the *training split* of
-specdec's prompt sets (`prompt_split`, `self_distilled`). One target pass over each window gives its
+Windows of token ids come from these sources (all available without a network): the Python standard
+library's sources (`stdlib_windows`), the target's own greedy answers to the *training split* of
+specdec's prompt sets (`prompt_split`, `self_distilled`), and that split's HumanEval reference solutions
+(`solution_windows`). One target pass over each window gives its
 features (final hidden states) and the target's greedy next token at every position (`extract_features`).
 """
 
@@ -47,6 +48,15 @@ def prompt_split(data_dir: Path, tokenizer, split: str) -> list[list[int]]:
     return prompts
 
 
+def solution_windows(data_dir: Path, tokenizer, count: int, seq_len: int) -> list[list[int]]:
+    """HumanEval's training-split tasks (100 on) as prompt + reference solution, the first `count`, each cut
+    to its last seq_len tokens: code in the form the code prompts ask for, far cheaper than the target's own
+    answers (teacher-forced: the labels are still the target's choices)."""
+    with gzip.open(data_dir / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        tasks = [json.loads(line) for line in f][100:100 + count]
+    return [tokenizer.encode(t["prompt"] + t["canonical_solution"])[-seq_len:] for t in tasks]
+
+
 def stdlib_windows(tokenizer, total_tokens: int, seq_len: int, seed: int) -> list[list[int]]:
     """Windows of `seq_len` tokens from the standard library's .py files (tests excluded), seeded order,
     at most two windows a file."""
@@ -68,11 +78,13 @@ def stdlib_windows(tokenizer, total_tokens: int, seq_len: int, seed: int) -> lis
     return windows
 
 
-def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int, seq_len: int) -> list[list[int]]:
-    """The target's own greedy answers, appended to their prompts (cut to the last seq_len tokens)."""
+def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int, seq_len: int,
+                   batch_size: int = 4) -> list[list[int]]:
+    """The target's own greedy answers, appended to their prompts (cut to the last seq_len tokens); `batch_size`
+    requests at a time (a pass of a few rows costs about one row's on the block kernels)."""
     from specdec.engine import Engine
 
-    engine = Engine(target, tokenizer, max_model_len=4096, max_batch_size=4)
+    engine = Engine(target, tokenizer, max_model_len=4096, max_batch_size=batch_size)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids[-max(16, seq_len - max_tokens):], params)  # a prompt's tail
@@ -87,9 +99,11 @@ def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int,
 
 
 @torch.inference_mode()
-def extract_features(target, windows: dict[str, list[list[int]]], out: Path) -> list[Path]:
+def extract_features(target, windows: dict[str, list[list[int]]], out: Path,
+                     feature_layers: tuple[int, ...] = ()) -> list[Path]:
     """One target pass per window of each source, in order; shard i (`out/shard_0000i.safetensors`, kept
-    if already there) holds tokens [T], hidden [T, H] (bf16) and target_next [T], its source in the metadata."""
+    if already there) holds tokens [T], hidden [T, F] (bf16: the outputs of `feature_layers`, then the final
+    hidden state) and target_next [T], its source in the metadata."""
     out.mkdir(parents=True, exist_ok=True)
     shards = []
     todo = [(source, w) for source in windows for w in windows[source]]
@@ -100,7 +114,8 @@ def extract_features(target, windows: dict[str, list[list[int]]], out: Path) -> 
             continue
         cache = target.new_cache(1, len(ids))
         positions = torch.arange(len(ids))[None].to(target.device)
-        logits, hidden = target(torch.tensor([ids], device=target.device), positions, cache, return_hidden=True)
+        logits, hidden = target(torch.tensor([ids], device=target.device), positions, cache, return_hidden=True,
+                                feature_layers=feature_layers)
         save_file({
             "tokens": torch.tensor(ids),
             "hidden": hidden[0].to(torch.bfloat16).cpu().contiguous(),
@@ -110,18 +125,19 @@ def extract_features(target, windows: dict[str, list[list[int]]], out: Path) -> 
 
 
 def load_windows(shards: list[Path]) -> list[dict]:
-    """Each shard as {"hidden": [T, H] float32, "tokens": [T], "target_next": [T]}."""
+    """Each shard as {"hidden": [T, F] bf16 (as stored), "tokens": [T], "target_next": [T]}."""
     out = []
     for path in shards:
         t = load_file(str(path))
-        out.append({"hidden": t["hidden"].float(), "tokens": t["tokens"], "target_next": t["target_next"]})
+        out.append({"hidden": t["hidden"], "tokens": t["tokens"], "target_next": t["target_next"]})
     return out
 
 
 def collate(windows: list[dict]) -> dict:
-    """Windows stacked into a batch ([B, T, ...]), cut to the shortest."""
+    """Windows stacked into a batch ([B, T, ...]), cut to the shortest; hidden states in float32."""
     T = min(w["tokens"].shape[0] for w in windows)
-    return {k: torch.stack([w[k][:T] for w in windows]) for k in windows[0]}
+    batch = {k: torch.stack([w[k][:T] for w in windows]) for k in windows[0]}
+    return {**batch, "hidden": batch["hidden"].float()}
 
 
 def choose_vocab(shards: list[Path], size: int, vocab: int) -> torch.Tensor:

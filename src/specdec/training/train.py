@@ -21,15 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from specdec.data import DATA_DIR
-from specdec.heads.modules import EagleHead, HeadsConfig, MedusaHeads, save_heads
+from specdec.heads.modules import (EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, read_heads_config,
+                                   save_heads, target_fingerprint)
 from specdec.training.features import (
-    choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, stdlib_windows,
-    tokens_by_source,
+    choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, solution_windows,
+    stdlib_windows, tokens_by_source,
 )
-from specdec.training.losses import eagle_losses, evaluate, medusa_losses
+from specdec.training.losses import eagle_losses, evaluate_chains, medusa_losses, ttt_losses
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,15 @@ class TrainConfig:
     held_out: float = 0.08  # fraction of windows kept for the accuracy report
     checkpoint_every: int = 100
     eagle_cls_weight: float = 0.1  # EAGLE: weight of the token loss beside the feature loss
+    # EAGLE-3 style (eagle with feature layers): the target layers fused into the head's input, and the
+    # steps of training-time test (`ttt_losses`); empty: EAGLE-1's losses
+    feature_layers: tuple[int, ...] = ()
+    ttt_steps: int = 3
+    curve_every: int = 0  # held-out top-1 every this many steps (the report's `curve`); 0: at the end only
+    distill_batch_size: int = 4
+    solutions: int = 0  # HumanEval training-split tasks whose prompt + reference solution are windows
+    init_from: Path | None = None  # EAGLE-3: start from these trained EAGLE-1 heads (`EagleHead.init_from_eagle`)
+    threads: int = 0  # torch's intra-op threads while training (0: leave torch's setting)
     seed: int = 0
     data_dir: Path = DATA_DIR  # the prompt sets shipped with specdec (package data)
     prompts: tuple[tuple[int, ...], ...] | None = None  # self-distillation prompts instead of the data's train split
@@ -61,14 +72,19 @@ class TrainConfig:
 def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     """Extract features (cached), train (resuming from the checkpoint), save the heads and report.json to
     cfg.out; return the report."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    shards = extract_features(target, training_windows(target, tokenizer, cfg), cfg.features_dir)
+    shards = extract_features(target, training_windows(target, tokenizer, cfg), cfg.features_dir, cfg.feature_layers)
     extract_time = time.perf_counter() - t0
     cfg.out.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode(False), torch.enable_grad():
         run = _setup(target, target_name, cfg, shards)
         _resume(run, cfg.out / "checkpoint.pt")
-        before = evaluate(run.head, run.eval_windows, run.to_reduced) if run.step == 0 else None
+        before = None
+        if run.step == 0:  # (with a curve: its first point, the heads as they start)
+            start = _held_out(run, cfg)
+            before, run.curve = start["held_out_top1"], [start] if cfg.curve_every else []
         _loop(run, cfg)
         report = _report(run, cfg, target_name, shards, extract_time, before)
         run.head.config = dataclasses.replace(run.head.config, training=report)
@@ -91,8 +107,11 @@ def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list
         prompts = prompt_split(cfg.data_dir, tokenizer, "train")[: cfg.self_distill_prompts]
     else:
         prompts = []
-    distilled = self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len) if prompts else []
+    distilled = self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len,
+                               cfg.distill_batch_size) if prompts else []
     windows = {"self_distill": distilled, "stdlib": stdlib_windows(tokenizer, cfg.corpus_tokens, cfg.seq_len, cfg.seed)}
+    if cfg.solutions:
+        windows["humaneval_solutions"] = solution_windows(cfg.data_dir, tokenizer, cfg.solutions, cfg.seq_len)
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps(windows))
     return windows
@@ -113,6 +132,8 @@ class _Run:
     step: int = 0
     train_time: float = 0.0  # seconds in training steps, over every run of the command
     losses: list[float] = field(default_factory=list)  # each step's loss in this run
+    ttt_steps: int = 0  # EAGLE-3 heads: the steps of training-time test (0: other heads)
+    curve: list[dict] = field(default_factory=list)  # held-out figures as training goes (`curve_every`)
 
 
 def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path]) -> _Run:
@@ -123,22 +144,39 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path]) -> _R
     order = list(range(len(windows)))
     random.Random(cfg.seed).shuffle(order)
     n_eval = max(1, int(len(windows) * cfg.held_out))
-    vocab_ids = choose_vocab([shards[i] for i in order[n_eval:]], cfg.vocab_size, target.config.vocab_size)
+    start = _eagle_start(cfg.init_from, target) if cfg.init_from else None
+    vocab_ids = start.vocab_ids if start is not None else \
+        choose_vocab([shards[i] for i in order[n_eval:]], cfg.vocab_size, target.config.vocab_size)
     head = _trainable_heads(target, target_name, cfg, vocab_ids)
+    if start is not None:
+        head.init_from_eagle(start)
     to_reduced = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
     to_reduced[vocab_ids] = torch.arange(len(vocab_ids))
     params = [p for p in head.parameters() if p.requires_grad]
     steps_per_epoch = max(1, (len(windows) - n_eval) // cfg.batch_size)
     return _Run(head=head, params=params, optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0),
                 train_windows=[windows[i] for i in order[n_eval:]], eval_windows=[windows[i] for i in order[:n_eval]],
-                to_reduced=to_reduced, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * cfg.epochs)
+                to_reduced=to_reduced, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * cfg.epochs,
+                ttt_steps=cfg.ttt_steps if cfg.method == "eagle" and cfg.feature_layers else 0)
+
+
+def _eagle_start(folder: Path, target) -> EagleHead:
+    """The trained EAGLE-1 head in `folder` as saved (float32, not attached), for `EagleHead.init_from_eagle`."""
+    config = read_heads_config(folder)
+    if config.method != "eagle" or config.feature_layers:
+        raise ValueError(f"{folder} holds no EAGLE-1 head to start from")
+    if config.target_fingerprint != target_fingerprint(target):
+        raise HeadsMismatchError(f"the heads in {folder} were trained for another target ({config.target!r})")
+    head = EagleHead(config)
+    head.load_state_dict(load_file(str(Path(folder) / "model.safetensors")))
+    return head.float()
 
 
 def _trainable_heads(target, target_name: str, cfg: TrainConfig, vocab_ids: torch.Tensor) -> MedusaHeads | EagleHead:
     """New heads for `target` over `vocab_ids`, in float32 on the CPU, reading the target's output rows and
     (EAGLE) embeddings as normal tensors (the target may run in inference mode)."""
-    config = HeadsConfig.for_target(cfg.method, target, target_name, len(vocab_ids),
-                                    **({"num_heads": cfg.num_heads} if cfg.method == "medusa" else {}))
+    extra = {"num_heads": cfg.num_heads} if cfg.method == "medusa" else {"feature_layers": cfg.feature_layers}
+    config = HeadsConfig.for_target(cfg.method, target, target_name, len(vocab_ids), **extra)
     head = (MedusaHeads if cfg.method == "medusa" else EagleHead)(config)
     head.vocab_ids = vocab_ids.clone()
     head.float().attach(target)
@@ -155,13 +193,19 @@ def _resume(run: _Run, checkpoint: Path) -> None:
         run.head.load_state_dict(state["head"])
         run.optimizer.load_state_dict(state["optimizer"])
         run.step, run.train_time = state["step"], state["train_time"]
+        run.curve = state.get("curve", [])
         print(f"resuming from step {run.step} of {run.total_steps}")
 
 
 def _loop(run: _Run, cfg: TrainConfig) -> None:
     """Train to run.total_steps: batches of each epoch in a seeded order, `cosine_lr`, gradients clipped to
     norm 1; a checkpoint every cfg.checkpoint_every steps and at the end."""
-    losses_fn = medusa_losses if cfg.method == "medusa" else partial(eagle_losses, cls_weight=cfg.eagle_cls_weight)
+    if cfg.method == "medusa":
+        losses_fn = medusa_losses
+    elif run.ttt_steps:
+        losses_fn = partial(ttt_losses, steps=run.ttt_steps)
+    else:
+        losses_fn = partial(eagle_losses, cls_weight=cfg.eagle_cls_weight)
     warmup = min(20, run.total_steps // 10)
     bar = tqdm(total=run.total_steps, initial=run.step, desc=f"train {cfg.method}", unit="step")
     while run.step < run.total_steps:
@@ -172,7 +216,7 @@ def _loop(run: _Run, cfg: TrainConfig) -> None:
         t = time.perf_counter()
         for group in run.optimizer.param_groups:
             group["lr"] = cosine_lr(run.step, run.total_steps, warmup, cfg.lr)
-        loss, _ = losses_fn(run.head, batch, run.to_reduced)
+        loss = losses_fn(run.head, batch, run.to_reduced)[0]
         run.optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(run.params, 1.0)
@@ -182,10 +226,22 @@ def _loop(run: _Run, cfg: TrainConfig) -> None:
         run.losses.append(loss.item())
         bar.set_postfix(loss=f"{_mean(run.losses[-20:]):.3f}")
         bar.update(1)
+        if cfg.curve_every and run.step % cfg.curve_every == 0 and run.step < run.total_steps:
+            run.curve.append(_held_out(run, cfg))
         if run.step % cfg.checkpoint_every == 0 or run.step == run.total_steps:
             torch.save({"head": run.head.state_dict(), "optimizer": run.optimizer.state_dict(), "step": run.step,
-                        "train_time": run.train_time}, cfg.out / "checkpoint.pt")
+                        "train_time": run.train_time, "curve": run.curve}, cfg.out / "checkpoint.pt")
     bar.close()
+
+
+def _held_out(run: _Run, cfg: TrainConfig) -> dict:
+    """The held-out figures now: top-1 per head or step and (EAGLE-3) a chain's teacher-forced tokens per pass,
+    after how many training tokens (windows seen x their length; the first epoch sees each once)."""
+    per_step, chain = evaluate_chains(run.head, run.eval_windows, run.to_reduced, run.ttt_steps)
+    seen = min(run.step * cfg.batch_size, len(run.train_windows) * cfg.epochs)
+    point = {"step": run.step, "epoch": round(run.step / run.steps_per_epoch, 3),
+             "train_tokens_seen": seen * cfg.seq_len, "held_out_top1": per_step}
+    return {**point, "chain_tokens_per_pass_estimate": chain} if chain is not None else point
 
 
 def cosine_lr(step: int, total_steps: int, warmup: int, peak: float) -> float:
@@ -200,7 +256,8 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
             before: list[float] | None) -> dict:
     """What was trained on and how well it went: held-out top-1 agreement before (None when resumed) and
     after, the data, the losses (first step of this run, mean of the last 20) and the times."""
-    accuracy = evaluate(run.head, run.eval_windows, run.to_reduced)
+    final = _held_out(run, cfg)
+    accuracy = final["held_out_top1"]
     eval_labels = torch.cat([w["target_next"] for w in run.eval_windows])
     return {
         "method": cfg.method,
@@ -213,7 +270,8 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "steps": run.total_steps,
         "epochs": cfg.epochs,
         "lr": cfg.lr,
-        **({"cls_weight": cfg.eagle_cls_weight} if cfg.method == "eagle" else {}),
+        **({"cls_weight": cfg.eagle_cls_weight} if cfg.method == "eagle" and not run.ttt_steps else {}),
+        **({"feature_layers": list(cfg.feature_layers), "ttt_steps": run.ttt_steps} if run.ttt_steps else {}),
         "batch_size": cfg.batch_size,
         "extract_time_s": round(extract_time, 1),
         "train_time_s": round(run.train_time, 1),
@@ -222,6 +280,8 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "parameters": sum(p.numel() for p in run.params),
         "held_out_top1_before": before,
         ("held_out_top1_per_head" if cfg.method == "medusa" else "held_out_top1_per_depth"): accuracy,
+        **({"held_out_chain_tokens_per_pass_estimate": final["chain_tokens_per_pass_estimate"],
+            "curve": [*run.curve, final]} if run.ttt_steps else {}),
     }
 
 
