@@ -39,8 +39,7 @@ def _load():
             _error = "this CPU lacks AVX2/FMA/F16C"
             return None
         try:
-            native.load_ops("specdec_int8_gemm")  # registers torch.ops.specdec_int8.int8_mm
-            _module = torch.ops.specdec_int8
+            _module = native.load_ops("specdec_int8")  # torch.ops.specdec_int8.int8_mm
         except Exception as exc:  # not installed and no compiler, a build error ...
             _error = f"{type(exc).__name__}: {exc}"
             _module = None
