@@ -6,6 +6,7 @@ namespace {
 
 // ---- quantized activations ----------------------------------------------------------------------
 
+// Q4_K / Q5_K in the 512-bit kernels: the 256 quants of a block are unpacked into 4 registers of 64 bytes
 // such that every 32-bit lane holds 4 quants of one sub-block, the same sub-block in registers 0 and 1
 // (the even ones: 0, 0, 2, 2, 4, 4, 6, 6 by pairs of lanes, twice) and in registers 2 and 3 (the odd ones).
 // The quant at byte v of register g: sub-block 2 ((v / 8) % 4) + g / 2, its values 16 (g % 2) + 8 (v / 32)
