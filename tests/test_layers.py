@@ -25,6 +25,8 @@ ABOVE_ENGINE = {"fan_out", "api", "server", "bench", "training", "cli", "llm_arg
 # unit -> the units it must never import
 FORBIDDEN = {
     "config": {"sampling", "models", "heads", "speculative", "engine", *ABOVE_ENGINE},
+    # the native libraries and their loading: under everything but config (SPECDEC_HOME)
+    "kernels": {"sampling", "models", "heads", "speculative", "engine", "parallel", "deploy", *ABOVE_ENGINE},
     "sampling": {"models", "heads", "speculative", "engine", *ABOVE_ENGINE},
     "models": {"speculative", "heads", "engine", *ABOVE_ENGINE},
     "heads": {"speculative", "engine", *ABOVE_ENGINE},

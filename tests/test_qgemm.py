@@ -8,11 +8,13 @@ thread count, or the build (AMX tiles, AVX-512, AVX2, portable).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from specdec.kernels import qgemm
+from specdec.kernels import native, qgemm, tuning
 from specdec.models.dequant import dequantize_rows
 from specdec.models.qlinear import QuantLinear
 
@@ -148,19 +150,28 @@ def test_two_channel_and_one_channel_kernels_give_the_same_bits(qtype):
             lib.set_pair_rows(chosen)
 
 
-def test_the_two_channel_choice_is_measured_or_set_by_the_environment(monkeypatch):
-    if not any(isa.startswith("avx512") for isa in ISAS):
-        pytest.skip("no AVX-512 build runs on this CPU")
-    lib = qgemm.ops("avx512vnni")
+def test_the_two_channel_choice_is_measured_once_into_the_tuning_file_or_set_by_the_environment(monkeypatch, tmp_path):
+    """The 512-bit builds' choice comes from $SPECDEC_HOME/tuning.json, measured (both kinds of kernel run)
+    when the file lacks it and read from it after; `SPECDEC_QGEMM_PAIRS` overrides it. (The measurement runs
+    on any build: on the others the setting changes nothing.)"""
+    isa = qgemm.best_isa()
+    lib = qgemm.ops(isa)
     chosen = lib.pair_rows()
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     try:
         monkeypatch.setenv("SPECDEC_QGEMM_PAIRS", "2")
-        assert qgemm._pair_rows(lib) == 2
+        assert tuning.pair_rows(isa, lib) == 2
         monkeypatch.setenv("SPECDEC_QGEMM_PAIRS", "4")
         with pytest.raises(ValueError, match="SPECDEC_QGEMM_PAIRS"):
-            qgemm._pair_rows(lib)
+            tuning.pair_rows(isa, lib)
         monkeypatch.delenv("SPECDEC_QGEMM_PAIRS")
-        qgemm._pair_rows(lib, trials=1)  # without it: measured, both kinds of kernel run
+        assert not (tmp_path / "tuning.json").exists()
+        mask = tuning.pair_rows(isa, lib)  # measured
+        key = f"{native.cpu_model()} / {isa}"
+        assert json.loads((tmp_path / "tuning.json").read_text()) == {key: {"pair_rows": mask}}
+        assert lib.pair_rows() == chosen  # measuring leaves the library's setting as it was
+        (tmp_path / "tuning.json").write_text(json.dumps({key: {"pair_rows": 3 - mask}}))
+        assert tuning.pair_rows(isa, lib) == 3 - mask  # read, not measured again
     finally:
         lib.set_pair_rows(chosen)
 

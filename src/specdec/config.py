@@ -7,10 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # weight formats (see specdec.models.quant.resolve_quantization)
+
+
+def specdec_home() -> Path:
+    """Where specdec keeps what it fetches and measures: `$SPECDEC_HOME`, default ~/.cache/specdec (the pulled
+    models, the kernels' tuning file)."""
+    return Path(os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec")
+
+
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "int8", "int4")
 # activation dtypes by name: vLLM's (half = float16, float = float32) and the short ones
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")

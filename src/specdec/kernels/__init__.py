@@ -1,4 +1,4 @@
-"""Custom CPU kernels (compiled on first use)."""
+"""Custom CPU kernels (built at install: `specdec.kernels.native`)."""
 
 from specdec.kernels.int8_gemm import available, int8_linear
 

@@ -1,12 +1,11 @@
 """Row-invariant weight-only int8 GEMM for AVX2/FMA CPUs: y = x @ (qweight * scale[:, None]).T.
 
-The C++ kernel (int8_gemm.cpp) is compiled on first use with torch.utils.cpp_extension (cached under
-the torch extensions dir, under a name holding a hash of the source, so edits rebuild).  Its cost is
-nearly flat in the number of rows for small M (the int8 weight stream is converted once per group of up
-to 6 rows), and row m of the output is bit-identical whatever the other rows are and however many there
+The C++ kernel (int8_gemm.cpp) is built at install (`specdec.kernels.native`; in a developer's checkout
+whose C++ differs, on first use).  Its cost is nearly flat in the number of rows for small M (the int8
+weight stream is converted once per group of up to 6 rows), and row m of the output is bit-identical whatever the other rows are and however many there
 are, which keeps speculative verification bit-identical to plain decoding.
 
-If the extension cannot be built or loaded (no compiler, no AVX2/FMA), `int8_linear` falls back to
+If the library cannot be loaded (no AVX2/FMA, not built), `int8_linear` falls back to
 torch's `_weight_int8pack_mm` and warns once; `available()` says which path is in use.
 """
 
@@ -15,30 +14,15 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from pathlib import Path
 
 import torch
 
-from specdec.kernels.build import build_ops
+from specdec.kernels import native
 
-_SOURCE = Path(__file__).with_name("int8_gemm.cpp")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
 _warned = False
-
-
-def _cpu_supports_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma", "f16c"} <= flags
-    except OSError:
-        pass
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def _load():
@@ -51,20 +35,19 @@ def _load():
         if os.environ.get("SPECDEC_DISABLE_INT8_KERNEL"):
             _error = "disabled by SPECDEC_DISABLE_INT8_KERNEL"
             return None
-        if not _cpu_supports_avx2_fma():
+        if not native.runs_isa("avx2"):
             _error = "this CPU lacks AVX2/FMA/F16C"
             return None
         try:
-            build_ops("specdec_int8_gemm", _SOURCE, _FLAGS)  # registers torch.ops.specdec_int8.int8_mm
-            _module = torch.ops.specdec_int8
-        except Exception as exc:  # no compiler, missing headers, build error ...
+            _module = native.load_ops("specdec_int8")  # torch.ops.specdec_int8.int8_mm
+        except Exception as exc:  # not installed and no compiler, a build error ...
             _error = f"{type(exc).__name__}: {exc}"
             _module = None
     return _module
 
 
 def available() -> bool:
-    """True when the custom kernel is (or can be) compiled and loaded; triggers the build on first call."""
+    """True when the custom kernel is installed (or, in a developer's checkout, can be built) and loads."""
     return _load() is not None
 
 

@@ -1,4 +1,5 @@
-"""Matrix products on a GGUF's own quantized blocks (see qgemm.cpp), compiled on first use.
+"""Matrix products on a GGUF's own quantized blocks (the C++ in csrc/: qmm.cpp and the files it names), and
+the ops around them (csrc/ops/), built at install (`specdec.kernels.native`).
 
 One build per instruction set, picked from the CPU's flags at run time:
 
@@ -22,31 +23,16 @@ import functools
 import logging
 import os
 import threading
-import time
-from pathlib import Path
 
 import torch
 
-from specdec.kernels.build import build_ops
+from specdec.kernels import native, tuning
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("qgemm.cpp")
-_VNNI = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-_ISA_FLAGS = {
-    "avx512amx": _VNNI + ["-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-DSPECDEC_AMX"],
-    "avx512vnni": _VNNI,
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "generic": [],
-}
-_ISA_CPU_FLAGS = {
-    "avx512amx": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi",
-                  "amx_tile", "amx_int8"},
-    "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
-    "avx2": {"avx2", "fma", "f16c"},
-    "generic": set(),
-}
-# -ffp-contract=off: no fused multiply-add other than the ones the source asks for (the same in every build)
-_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+_ISA_FLAGS = native.ISA_FLAGS  # the builds, fastest first
+_ISA_CPU_FLAGS = native.ISA_CPU_FLAGS
+cpu_flags = native.cpu_flags
+# The GGML types the kernels read (the C++ table of formats, csrc/formats.h, says the same: `formats()`)
 SUPPORTED_TYPES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 # Q4_K, Q6_K, Q4_0 and Q5_0 with 16 channels interleaved (`repack_x16`): the kernels' own layouts, not GGML
@@ -58,18 +44,6 @@ X16_TYPES = {Q4_K: Q4_K_X16, Q6_K: Q6_K_X16, Q4_0: Q4_0_X16, Q5_0: Q5_0_X16}
 _lock = threading.Lock()
 _ops: dict[str, object] = {}
 _error: str | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def best_isa() -> str:
@@ -84,9 +58,8 @@ def best_isa() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _default_isa() -> str:
-    flags = cpu_flags()
     for isa in _ISA_FLAGS:
-        if not _ISA_CPU_FLAGS[isa] <= flags:
+        if not native.runs_isa(isa):
             continue
         if isa == "avx512amx" and not _tiles_usable():
             continue
@@ -95,61 +68,30 @@ def _default_isa() -> str:
 
 
 def _tiles_usable() -> bool:
-    """Whether the AMX build compiles here (a compiler that knows the tile instructions) and the OS lets
-    this process use the tile registers."""
+    """Whether the AMX build is there (installed, or built by a compiler that knows the tile instructions)
+    and the OS lets this process use the tile registers."""
     try:
         return bool(ops("avx512amx").uses_tiles())
-    except Exception as exc:  # a compiler without AMX: the AVX-512 build does the same work (and bits), slower
+    except Exception as exc:  # not built: the AVX-512 build does the same work (and bits), slower
         logger.warning("the AMX build of the block kernels is not used (%s: %s)", type(exc).__name__, str(exc)[-300:])
         return False
 
 
 def ops(isa: str | None = None):
-    """The compiled ops of one build (`torch.ops.specdec_qgemm_<isa>`), building it on first use."""
+    """The ops of one build (`torch.ops.specdec_qgemm_<isa>`): the library installed with specdec (in a
+    developer's checkout whose C++ differs from it, built on first use)."""
     isa = isa or best_isa()
     if isa in _ops:
         return _ops[isa]
     with _lock:
         if isa not in _ops:
-            if not _ISA_CPU_FLAGS[isa] <= cpu_flags():
+            if not native.runs_isa(isa):
                 raise RuntimeError(f"this CPU cannot run the {isa} build of the qgemm kernels")
-            lib = f"specdec_qgemm_{isa}"
-            build_ops(lib, _SOURCE, _COMMON_FLAGS + _ISA_FLAGS[isa] + [f"-DSPECDEC_QLIB={lib}"])  # torch.ops.<lib>
-            lib_ops = getattr(torch.ops, lib)
+            lib_ops = native.load_ops(f"specdec_qgemm_{isa}")
             if isa.startswith("avx512"):
-                lib_ops.set_pair_rows(_pair_rows(lib_ops))
+                lib_ops.set_pair_rows(tuning.pair_rows(isa, lib_ops))
             _ops[isa] = lib_ops
     return _ops[isa]
-
-
-def _pair_rows(lib_ops, trials: int = 5) -> int:
-    """Which row counts (bit r - 1 for r = 1, 2 rows) the 512-bit builds give the kernels that read two
-    weight channels at a time: those measured faster here than the one-channel ones (both give the same
-    bits), on 42 MB of Q4_K blocks (more than a cache holds, as a decoding step's weights), the two taking
-    turns. `SPECDEC_QGEMM_PAIRS` (0-3) sets it instead."""
-    forced = os.environ.get("SPECDEC_QGEMM_PAIRS")
-    if forced:
-        if forced not in ("0", "1", "2", "3"):
-            raise ValueError(f"SPECDEC_QGEMM_PAIRS={forced!r}; choose 0-3 (bit r - 1: r rows read two channels)")
-        return int(forced)
-    K, N = 1536, 49152
-    w = torch.full((N, K // 256, 144), 0x5A, dtype=torch.uint8)  # the values do not change the time
-    w[:, :, 0:4] = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)  # d, dmin of each block
-    w = w.reshape(N, -1)
-    mask = 0
-    for rows in (1, 2):
-        x = torch.randn(rows, K)
-        best = {}
-        for _ in range(trials):
-            for pairs in (True, False):
-                lib_ops.set_pair_rows(1 << (rows - 1) if pairs else 0)
-                t0 = time.perf_counter()
-                lib_ops.qmm(x, [w], [12], None)
-                best[pairs] = min(best.get(pairs, float("inf")), time.perf_counter() - t0)
-        if best[True] < best[False]:
-            mask |= 1 << (rows - 1)
-    logger.debug("qgemm: two-channel kernels for %s", {1: "1 row", 2: "2 rows", 3: "1 and 2 rows"}.get(mask, "no rows"))
-    return mask
 
 
 def interleaves() -> bool:
@@ -177,8 +119,8 @@ def repack_x16(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def unavailable_reason() -> str | None:
-    """None when the kernels of this CPU's build are (or can be) compiled and loaded, else why not
-    (no C++ compiler, no ninja, ...). Builds them on first call."""
+    """None when the kernels of this CPU's build are installed (or, in a developer's checkout, can be built)
+    and load, else why not. Loads them on first call."""
     global _error
     if _error is None and best_isa() not in _ops:
         try:

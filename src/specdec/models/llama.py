@@ -151,7 +151,7 @@ class Attention(nn.Module):
         # Q, K and V as one matrix (set by `fuse_qkv`): one pass over the activations instead of three
         self.qkv_proj: nn.Module | None = None
         # rope and attention as one CPU op each (models on the block kernels): rope bit-identical to the float
-        # path, attention computed query by query (`qgemm.cpp: attention`)
+        # path, attention computed query by query (`kernels/csrc/ops/attention.cpp`)
         self.fused = False
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
@@ -293,7 +293,7 @@ class DecoderLayer(nn.Module):
         self.fused_args: tuple | None = None
 
     def fuse(self) -> None:
-        """Run this layer as one CPU op (`qgemm.cpp: decoder_layer`, the same ops in the same order: the
+        """Run this layer as one CPU op (`kernels/csrc/ops/decoder_layer.cpp`, the same ops in the same order: the
         same bits) when its norms, rope and attention are fused and its matrices are `QuantLinear`s."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specdec.config import specdec_home
+
 CHUNK_BYTES = 8 << 20
 
 
@@ -100,10 +102,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         ),
     )
 }
-
-
-def specdec_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec")
 
 
 def gguf_path(model: KnownModel) -> Path:

@@ -20,29 +20,27 @@ a salt share nothing unless `share_unsalted` says so (a single-user server): how
 tells a client whether another's output held the text it guessed, so outputs cross only between requests
 that declare they belong together.
 
-The trie is C++ (`suffix_trie.cpp`, compiled on first use with the system's C++ compiler and loaded with
-ctypes: about a microsecond per appended token and per drafted token, `benchmarks/bench_suffix_trie.py`);
-`PySuffixTrie` is the same algorithm in Python, the reference the tests check the C++ one against and the
-fallback where no compiler is found.
+The trie is C++ (`suffix_trie.cpp`, built at install as a library of its own, `specdec.kernels.native`, and
+loaded with ctypes: about a microsecond per appended token and per drafted token,
+`benchmarks/bench_suffix_trie.py`); `PySuffixTrie` is the same algorithm in Python, the reference the tests
+check the C++ one against and the fallback where the library cannot be loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import heapq
 import logging
-import os
 import subprocess
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
+
+from specdec.kernels import native
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("suffix_trie.cpp")
 _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
@@ -58,33 +56,19 @@ class SuffixDraft:
 
 
 # ------------------------------------------------------------------------------------------- the C++ trie
-def _build_dir() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-
-
 def load_library() -> ctypes.CDLL | None:
-    """The compiled trie (built once per source version), or None when it cannot be built (see `_lib_error`)."""
+    """The compiled trie (installed with specdec; in a developer's checkout whose C++ differs, built on first
+    use), or None when it cannot be loaded (see `_lib_error`)."""
     global _lib, _lib_error
     with _lib_lock:
         if _lib is not None or _lib_error is not None:
             return _lib
-        source = _SOURCE.read_bytes()
-        out = _build_dir() / f"specdec_suffix_trie_{hashlib.sha256(source).hexdigest()[:16]}.so"
         try:
-            if not out.exists():
-                out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = out.with_suffix(f".{os.getpid()}.tmp")
-                cxx = os.environ.get("CXX", "c++")
-                subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", str(_SOURCE), "-o", str(tmp)],
-                               check=True, capture_output=True, text=True)
-                os.replace(tmp, out)  # atomic: a concurrent build never loads half a file
-            lib = ctypes.CDLL(str(out))
-        except (OSError, subprocess.CalledProcessError) as e:
+            lib = ctypes.CDLL(str(native.library_path("specdec_suffix_trie")))
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             _lib_error = f"{type(e).__name__}: {detail[-300:]}"
-            logger.warning("suffix decoding runs its Python trie (slower): the C++ one did not build: %s", _lib_error)
+            logger.warning("suffix decoding runs its Python trie (slower): the C++ one did not load: %s", _lib_error)
             return None
         i32p, f64p = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_double)
         lib.st_new.restype, lib.st_new.argtypes = ctypes.c_void_p, [ctypes.c_int]

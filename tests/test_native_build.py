@@ -1,0 +1,60 @@
+"""The native libraries are built at install (setup.py), so nothing needs a compiler at run time: with none
+reachable (no cc, c++, gcc, g++ or clang on PATH; CC and CXX pointing at `false`; an empty torch extension
+cache), a subprocess runs the block kernels of this CPU's build and of the portable one, the int8 kernel and the
+suffix trie. And the table of block formats in C++ is the one qgemm.py states."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from specdec.kernels import native, qgemm
+
+SCRIPT = """
+import torch
+from specdec.kernels import int8_gemm, qgemm
+from specdec.speculative.suffix import SuffixTrie, load_library
+
+torch.manual_seed(0)
+w = torch.randn(64, 256)
+x = torch.randn(3, 256)
+for isa in (qgemm.best_isa(), "generic"):
+    y = qgemm.qmm(x, [qgemm.quantize_q8_0(w)], [8], isa=isa)
+    assert y.shape == (3, 64) and (y - x @ w.T).abs().max() < 0.5, isa
+    r = qgemm.ops(isa).rms_norm(x, torch.ones(256), 1e-6)
+    assert torch.allclose(r, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-5), isa
+    print(isa, "ok")
+assert int8_gemm.available(), int8_gemm.unavailable_reason()
+lib = load_library()
+assert lib is not None
+trie = SuffixTrie(8, lib)
+trie.extend(0, [1, 2, 3, 1, 2, 4, 1, 2, 3])
+assert trie.speculate([1, 2], 3).tokens[:1] == [3]
+print("trie ok")
+"""
+
+
+def test_the_libraries_run_without_a_compiler(tmp_path):
+    assert native.missing() == [], (
+        f"not built at install: {native.missing()}: run scripts/setup.sh (or pip install --no-build-isolation -e .)")
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {**os.environ, "PATH": str(empty), "CC": "/bin/false", "CXX": "/bin/false",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"), "SPECDEC_HOME": str(tmp_path / "home")}
+    env.pop("SPECDEC_QGEMM_ISA", None)
+    assert [cc for cc in ("cc", "c++", "gcc", "g++", "clang", "clang++") if shutil.which(cc, path=env["PATH"])] == []
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "generic ok" in run.stdout and "trie ok" in run.stdout
+    assert not (tmp_path / "torch_extensions").exists() or not any((tmp_path / "torch_extensions").iterdir())
+
+
+def test_the_table_of_formats_is_the_one_python_states():
+    table = qgemm.ops("generic").formats()
+    entries = {table[i]: tuple(table[i + 1:i + 4]) for i in range(0, len(table), 4)}
+    assert {t: e[:2] for t, e in entries.items() if e[2] == 1} == qgemm.BLOCK
+    assert {t: entries[t][0] for t in qgemm.X16_TYPES.values()} == {
+        qgemm.X16_TYPES[t]: qgemm.BLOCK[t][0] for t in qgemm.X16_TYPES}
+    assert all(entries[t][2] == 16 for t in qgemm.X16_TYPES.values())
