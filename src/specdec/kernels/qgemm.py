@@ -1,4 +1,5 @@
-"""Matrix products on a GGUF's own quantized blocks (see qgemm.cpp), compiled on first use.
+"""Matrix products on a GGUF's own quantized blocks (see qgemm.cpp), and attention on the K/V cache
+(attention.cpp) in the same library, compiled on first use.
 
 One build per instruction set, picked from the CPU's flags at run time:
 
@@ -30,7 +31,8 @@ import torch
 from specdec.kernels.build import build_ops
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("qgemm.cpp")
+_SOURCES = [Path(__file__).with_name("qgemm.cpp"), Path(__file__).with_name("attention.cpp")]
+_HEADERS = [Path(__file__).with_name("attention.h")]
 _VNNI = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 _ISA_FLAGS = {
     "avx512amx": _VNNI + ["-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-DSPECDEC_AMX"],
@@ -114,7 +116,7 @@ def ops(isa: str | None = None):
             if not _ISA_CPU_FLAGS[isa] <= cpu_flags():
                 raise RuntimeError(f"this CPU cannot run the {isa} build of the qgemm kernels")
             lib = f"specdec_qgemm_{isa}"
-            build_ops(lib, _SOURCE, _COMMON_FLAGS + _ISA_FLAGS[isa] + [f"-DSPECDEC_QLIB={lib}"])  # torch.ops.<lib>
+            build_ops(lib, _SOURCES, _COMMON_FLAGS + _ISA_FLAGS[isa] + [f"-DSPECDEC_QLIB={lib}"], _HEADERS)  # torch.ops.<lib>
             lib_ops = getattr(torch.ops, lib)
             if isa.startswith("avx512"):
                 lib_ops.set_pair_rows(_pair_rows(lib_ops))

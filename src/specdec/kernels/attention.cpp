@@ -1,0 +1,466 @@
+// Attention over the K/V cache on CPU: decode, verification (chains and trees) and prefill through one
+// implementation, tiled over keys, grouped-query aware, exact and row-invariant.
+//
+// What a query computes (this defines its bits; `reference_attention` in tests/test_attention.py is the
+// same recipe written in torch). Its visible keys, in order (slot j, or key_index[j], for each visible j),
+// are numbered by rank r = 0, 1, ..., n - 1 and cut into blocks of kBlock ranks. Then
+//   score_r = dot(q, k_r) * (1 / sqrt(D)), dot: 8 lanes, lane l summing q[d] * k[d] for d = l mod 8 in
+//             order (a product, then a sum: no fused multiply-add), then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7));
+//   m       = the largest score (exact in any order);
+//   e_r     = exp(score_r - m) (`exp_nonpositive`: basic operations only);
+//   for each block c, from 0: sum_c = e_r summed over its ranks in order, acc_c[d] = e_r * v_r[d] summed
+//             likewise; sum = sum_0 + sum_1 + ... and acc[d] = acc_0[d] + acc_1[d] + ..., in block order;
+//   out[d]  = acc[d] / sum (0 when the query sees no key), rounded to q's dtype.
+// Nothing in it depends on the other queries of the call, their number, where the query's row sits, the
+// masked or padded slots, the chunk of prefill, the thread count or the instruction set: every build
+// computes the same operations (the AVX2 code is the portable loops' order, vectorized), so every build,
+// batch and thread count gives the same bits.
+//
+// How it runs. A work item is one sequence's rows (up to kRowBlock of them) and one K/V head: its G x rows
+// query vectors. Block c of a query whose keys there are slots s0, s0 + 1, ... (a causal prefix: every
+// block but a tree's last) is read from a tile shared by all the item's queries whose block c starts at
+// s0: each K/V block is converted (bf16 -> fp32) once for all G heads and all rows of the item (decode,
+// a verification pass's K + 1 rows, a prefill chunk's rows). Two passes over the blocks: scores (keys),
+// then the exponentials and the weighted values (values). Threads take whole items (prefill, large
+// batches), or, when there are fewer items than threads (decoding at depth), ranges of blocks of each item,
+// whose per-block sums are then added in block order: the same operations either way.
+#include "attention.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace specdec {
+namespace {
+
+constexpr int64_t kBlock = 64;     // keys (ranks) per block: the unit of tiles, sums and thread splits
+constexpr int64_t kRowBlock = 16;  // rows of one sequence per work item when threads take whole items
+
+inline void to_f32(const float* x, float* y, int64_t n) { std::memcpy(y, x, n * sizeof(float)); }
+
+inline void to_f32(const at::BFloat16* x, float* y, int64_t n) {  // bf16 -> fp32: the top 16 bits
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
+  uint32_t* v = reinterpret_cast<uint32_t*>(y);
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<uint32_t>(u[i]) << 16;
+}
+
+inline float reduce8(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+inline float dot8(const float* a, const float* b, int64_t D) {  // the portable dot product
+  float l[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8)
+    for (int k = 0; k < 8; ++k) l[k] += a[i + k] * b[i + k];
+  for (int k = 0; i + k < D; ++k) l[k] += a[i + k] * b[i + k];
+  return reduce8(l);
+}
+
+// exp(x) for x <= 0 (scores less their maximum), in place: Cephes' expf (2^n times a degree-6 polynomial
+// on [-ln2/2, ln2/2], within 2 ulp), in basic operations only, so that the compiler vectorizes it and every
+// build computes the same bits (std::exp is a library call, scalar).
+inline void exp_nonpositive(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] < -87.0f ? -87.0f : x[i];  // exp(-87) ~ 1.6e-38: still a normal float
+    const float r = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(v / ln2)
+    float f = v - r * 0.693359375f;  // v - r * ln2, ln2 in two parts
+    f = f - r * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = (p * (f * f) + f) + 1.0f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(r) + 127) << 23;  // 2^r
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    x[i] = p * scale;
+  }
+}
+
+#if defined(__AVX2__)
+// The lane sums ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) of four accumulators, as `reduce8` adds them.
+inline __m128 reduce4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h01 = _mm256_hadd_ps(a0, a1);  // [a0 l0+l1, a0 l2+l3, a1 .., a1 .. | a0 l4+l5, a0 l6+l7, a1 .., a1 ..]
+  const __m256 h23 = _mm256_hadd_ps(a2, a3);
+  const __m256 h = _mm256_hadd_ps(h01, h23);  // [a0..a3 (l0+l1)+(l2+l3) | a0..a3 (l4+l5)+(l6+l7)]
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+// s[i * ld + j] = dot(q_i, k_j) * scale for `nq` query vectors q [nq, D] and `len` keys k [len, D].
+void score_block(const float* q, int64_t nq, const float* k, int64_t len, int64_t D, float scale, float* s,
+                 int64_t ld) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (; i + 2 <= nq; i += 2) {
+      const float* q0 = q + i * D;
+      const float* q1 = q0 + D;
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) {
+        const float* kj = k + j * D;
+        __m256 a[8];
+        for (int x = 0; x < 8; ++x) a[x] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
+          for (int kk = 0; kk < 4; ++kk) {
+            const __m256 kv = _mm256_loadu_ps(kj + kk * D + d);
+            a[kk] = _mm256_add_ps(a[kk], _mm256_mul_ps(x0, kv));
+            a[4 + kk] = _mm256_add_ps(a[4 + kk], _mm256_mul_ps(x1, kv));
+          }
+        }
+        _mm_storeu_ps(s + i * ld + j, _mm_mul_ps(reduce4x8(a[0], a[1], a[2], a[3]), sc));
+        _mm_storeu_ps(s + (i + 1) * ld + j, _mm_mul_ps(reduce4x8(a[4], a[5], a[6], a[7]), sc));
+      }
+      for (; j < len; ++j) {
+        s[i * ld + j] = dot8(q0, k + j * D, D) * scale;
+        s[(i + 1) * ld + j] = dot8(q1, k + j * D, D) * scale;
+      }
+    }
+  }
+#endif
+  for (; i < nq; ++i)
+    for (int64_t j = 0; j < len; ++j) s[i * ld + j] = dot8(q + i * D, k + j * D, D) * scale;
+}
+
+// acc[i * D + d] = sum over j < len, in order, of e[i * ld + j] * v[j * D + d] (from 0), for nq queries.
+void weigh_block(const float* e, int64_t ld, int64_t nq, const float* v, int64_t len, int64_t D, float* acc,
+                 int64_t acc_stride) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (D % 32 == 0) {
+    for (; i + 2 <= nq; i += 2) {
+      const float* e0 = e + i * ld;
+      const float* e1 = e0 + ld;
+      for (int64_t d = 0; d < D; d += 32) {
+        __m256 a[8];
+        for (int x = 0; x < 8; ++x) a[x] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < len; ++j) {
+          const __m256 p0 = _mm256_set1_ps(e0[j]), p1 = _mm256_set1_ps(e1[j]);
+          const float* vj = v + j * D + d;
+          for (int c = 0; c < 4; ++c) {
+            const __m256 vv = _mm256_loadu_ps(vj + 8 * c);
+            a[c] = _mm256_add_ps(a[c], _mm256_mul_ps(p0, vv));
+            a[4 + c] = _mm256_add_ps(a[4 + c], _mm256_mul_ps(p1, vv));
+          }
+        }
+        for (int c = 0; c < 4; ++c) {
+          _mm256_storeu_ps(acc + i * acc_stride + d + 8 * c, a[c]);
+          _mm256_storeu_ps(acc + (i + 1) * acc_stride + d + 8 * c, a[4 + c]);
+        }
+      }
+    }
+  }
+#endif
+  for (; i < nq; ++i) {
+    float* a = acc + i * acc_stride;
+    std::fill(a, a + D, 0.f);
+    for (int64_t j = 0; j < len; ++j) {
+      const float p = e[i * ld + j];
+      for (int64_t d = 0; d < D; ++d) a[d] += p * v[j * D + d];
+    }
+  }
+}
+
+template <typename T>
+struct Call {  // one call's inputs
+  const T* q;
+  int64_t sb, st, sh, sd;  // q's strides
+  const T* kc;
+  const T* vc;
+  int64_t Tn, H, KV, G, D, cap, S;
+  const bool* visible;
+  const int64_t* key_index;
+  float scale;
+  T* out;
+};
+
+// The queries of rows [t0, t1) of sequence b on K/V head g: their visible slots in order, their query
+// vectors in fp32 (row r's G heads at rows r * G ... of qf), and, once scored, their scores and maxima.
+struct Item {
+  int64_t b = 0, g = 0, t0 = 0, t1 = 0;
+  std::vector<int64_t> offs, slots;  // row r's slots: slots[offs[r] .. offs[r + 1])
+  std::vector<float> qf, scores, top;  // qf [nq, D]; scores [nq, n_max]; top [nq]
+  int64_t n_max = 0;
+
+  int64_t rows() const { return t1 - t0; }
+  int64_t n(int64_t r) const { return offs[r + 1] - offs[r]; }
+  int64_t blocks() const { return (n_max + kBlock - 1) / kBlock; }
+};
+
+template <typename T>
+void prepare(const Call<T>& a, int64_t b, int64_t g, int64_t t0, int64_t t1, Item& it) {
+  it.b = b, it.g = g, it.t0 = t0, it.t1 = t1;
+  it.offs.assign(1, 0);
+  it.slots.clear();
+  it.n_max = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const bool* vis = a.visible + (b * a.Tn + t) * a.S;
+    const int64_t* idx = a.key_index ? a.key_index + (b * a.Tn + t) * a.S : nullptr;
+    for (int64_t j = 0; j < a.S; ++j)
+      if (vis[j]) it.slots.push_back(idx ? idx[j] : j);
+    it.offs.push_back(static_cast<int64_t>(it.slots.size()));
+    it.n_max = std::max(it.n_max, it.n(t - t0));
+  }
+  const int64_t G = a.G, D = a.D;
+  it.qf.resize(it.rows() * G * D);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        it.qf[((t - t0) * G + h) * D + d] =
+            static_cast<float>(a.q[b * a.sb + t * a.st + (g * G + h) * a.sh + d * a.sd]);
+  it.scores.resize(it.rows() * G * it.n_max);
+  it.top.assign(it.rows() * G, -INFINITY);
+}
+
+// Calls fn(r, tile, len) for each row r of the item that has a block c, tile [len, D] (fp32) holding its
+// block's keys (or values) in rank order. Rows whose block is a run of slots s0, s0 + 1, ... share one
+// tile per s0, converted once; other rows (a tree's scattered keys) gather their own.
+template <typename T, typename Fn>
+void for_each_tile(const Call<T>& a, const T* head, const Item& it, int64_t c, std::vector<float>& tile,
+                   std::vector<int64_t>& start, Fn fn) {
+  const int64_t R = it.rows(), D = a.D, first = c * kBlock;
+  start.assign(R, -1);  // -1: no block c; -2: scattered; else its first slot
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = std::min(kBlock, it.n(r) - first);
+    if (len <= 0) continue;
+    const int64_t* sl = it.slots.data() + it.offs[r] + first;
+    bool run = true;
+    for (int64_t j = 1; j < len && run; ++j) run = sl[j] == sl[0] + j;
+    start[r] = run ? sl[0] : -2;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (start[r] == -1) continue;
+    const int64_t* sl = it.slots.data() + it.offs[r] + first;
+    if (start[r] == -2) {
+      const int64_t len = std::min(kBlock, it.n(r) - first);
+      tile.resize(len * D);
+      for (int64_t j = 0; j < len; ++j) to_f32(head + sl[j] * D, tile.data() + j * D, D);
+      fn(r, tile.data(), len);
+      continue;
+    }
+    const int64_t s0 = start[r];
+    int64_t width = 0;
+    for (int64_t u = r; u < R; ++u)
+      if (start[u] == s0) width = std::max(width, std::min(kBlock, it.n(u) - first));
+    const float* keys;
+    if constexpr (std::is_same_v<T, float>) {
+      keys = head + s0 * D;
+    } else {
+      tile.resize(width * D);
+      to_f32(head + s0 * D, tile.data(), width * D);
+      keys = tile.data();
+    }
+    for (int64_t u = r; u < R; ++u)
+      if (start[u] == s0) {
+        fn(u, keys, std::min(kBlock, it.n(u) - first));
+        if (u != r) start[u] = -1;
+      }
+  }
+}
+
+struct Scratch {
+  std::vector<float> tile;
+  std::vector<int64_t> start;
+};
+
+// Pass 1 over blocks [c0, c1): the scores of the item's queries, and their running maxima.
+template <typename T>
+void score_blocks(const Call<T>& a, Item& it, int64_t c0, int64_t c1, Scratch& s) {
+  const T* head = a.kc + (it.b * a.KV + it.g) * a.cap * a.D;
+  const int64_t G = a.G, D = a.D, ld = it.n_max;
+  for (int64_t c = c0; c < c1; ++c)
+    for_each_tile(a, head, it, c, s.tile, s.start, [&](int64_t r, const float* k, int64_t len) {
+      score_block(it.qf.data() + r * G * D, G, k, len, D, a.scale, it.scores.data() + r * G * ld + c * kBlock, ld);
+    });
+}
+
+// Pass 2 over blocks [c0, c1): each block's exponentials, their sum and the weighted sum of its values,
+// written to part(c) [nq, D + 1] (the sum at [D]) for the rows that have a block c.
+template <typename T, typename Part>
+void weigh_blocks(const Call<T>& a, Item& it, int64_t c0, int64_t c1, Scratch& s, Part part) {
+  const T* head = a.vc + (it.b * a.KV + it.g) * a.cap * a.D;
+  const int64_t G = a.G, D = a.D, ld = it.n_max;
+  for (int64_t c = c0; c < c1; ++c) {
+    float* p = part(c);
+    for_each_tile(a, head, it, c, s.tile, s.start, [&](int64_t r, const float* v, int64_t len) {
+      float* e = it.scores.data() + r * G * ld + c * kBlock;
+      for (int64_t h = 0; h < G; ++h) {
+        float* eh = e + h * ld;
+        const float m = it.top[r * G + h];
+        for (int64_t j = 0; j < len; ++j) eh[j] -= m;
+        exp_nonpositive(eh, len);
+        float sum = 0.f;
+        for (int64_t j = 0; j < len; ++j) sum += eh[j];
+        p[(r * G + h) * (D + 1) + D] = sum;
+      }
+      weigh_block(e, ld, G, v, len, D, p + r * G * (D + 1), D + 1);
+    });
+  }
+}
+
+template <typename T>
+void find_maxima(const Call<T>& a, Item& it) {
+  for (int64_t r = 0; r < it.rows(); ++r)
+    for (int64_t h = 0; h < a.G; ++h) {
+      const float* s = it.scores.data() + (r * a.G + h) * it.n_max;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < it.n(r); ++j) m = std::max(m, s[j]);
+      it.top[r * a.G + h] = m;
+    }
+}
+
+// Adds block c's parts to the totals [nq, D + 1] of the rows that have a block c, then (last) writes out.
+template <typename T>
+void add_parts(const Call<T>& a, const Item& it, int64_t c, const float* part, float* total) {
+  const int64_t D1 = a.D + 1;
+  for (int64_t r = 0; r < it.rows(); ++r) {
+    if (it.n(r) <= c * kBlock) continue;
+    for (int64_t i = r * a.G; i < (r + 1) * a.G; ++i)
+      for (int64_t d = 0; d < D1; ++d) total[i * D1 + d] += part[i * D1 + d];
+  }
+}
+
+template <typename T>
+void write_out(const Call<T>& a, const Item& it, const float* total) {
+  const int64_t D = a.D, D1 = D + 1;
+  for (int64_t r = 0; r < it.rows(); ++r)
+    for (int64_t h = 0; h < a.G; ++h) {
+      const float* tot = total + (r * a.G + h) * D1;
+      T* o = a.out + ((it.b * a.Tn + it.t0 + r) * a.H + it.g * a.G + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(it.n(r) ? tot[d] / tot[D] : 0.f);
+    }
+}
+
+// fn(i, scratch) for i in [0, n), items handed out one at a time to the threads (in index order).
+template <typename Fn>
+void run_items(int64_t n, Fn fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    Scratch s;
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t i = next++; i < n; i = next++) fn(i, s);
+  });
+}
+
+template <typename T>
+void attend(const Call<T>& a, int64_t B) {
+  const int64_t threads = at::get_num_threads(), D1 = a.D + 1;
+  // Few items (decoding, verification): every row of a sequence in one item, threads over ranges of blocks.
+  int64_t max_blocks = 0;
+  if (B * a.KV < 2 * threads && B * a.Tn <= 64) {
+    std::vector<Item> items(B * a.KV);
+    at::parallel_for(0, B * a.KV, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) prepare(a, i / a.KV, i % a.KV, 0, a.Tn, items[i]);
+    });
+    for (const Item& it : items) max_blocks = std::max(max_blocks, it.blocks());
+    const int64_t nq = a.Tn * a.G;
+    if (static_cast<double>(items.size()) * max_blocks * nq * D1 * 4 <= 64e6) {
+      const int64_t per = std::max<int64_t>(1, (4 * threads + items.size() - 1) / items.size());
+      const int64_t chunk = std::max<int64_t>(2, (max_blocks + per - 1) / per);
+      const int64_t chunks = (max_blocks + chunk - 1) / chunk, units = items.size() * chunks;
+      std::vector<float> parts(items.size() * max_blocks * nq * D1);
+      auto part_of = [&](int64_t i) {
+        return [&, i](int64_t c) { return parts.data() + (i * max_blocks + c) * nq * D1; };
+      };
+      run_items(units, [&](int64_t u, Scratch& s) {
+        Item& it = items[u % items.size()];
+        const int64_t c0 = u / items.size() * chunk;
+        score_blocks(a, it, c0, std::min(c0 + chunk, it.blocks()), s);
+      });
+      for (Item& it : items) find_maxima(a, it);
+      run_items(units, [&](int64_t u, Scratch& s) {
+        const int64_t i = u % items.size(), c0 = u / items.size() * chunk;
+        weigh_blocks(a, items[i], c0, std::min(c0 + chunk, items[i].blocks()), s, part_of(i));
+      });
+      at::parallel_for(0, items.size(), 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> total;
+        for (int64_t i = i0; i < i1; ++i) {
+          total.assign(nq * D1, 0.f);
+          for (int64_t c = 0; c < items[i].blocks(); ++c) add_parts(a, items[i], c, part_of(i)(c), total.data());
+          write_out(a, items[i], total.data());
+        }
+      });
+      return;
+    }
+  }
+  // Many items (prefill, batches): threads take whole items, the longest rows first.
+  const int64_t row_blocks = (a.Tn + kRowBlock - 1) / kRowBlock, n_items = B * a.KV * row_blocks;
+  run_items(n_items, [&](int64_t i, Scratch& s) {
+    const int64_t rb = row_blocks - 1 - i / (B * a.KV), bg = i % (B * a.KV);
+    thread_local Item it;
+    thread_local std::vector<float> part, total;
+    prepare(a, bg / a.KV, bg % a.KV, rb * kRowBlock, std::min(a.Tn, (rb + 1) * kRowBlock), it);
+    score_blocks(a, it, 0, it.blocks(), s);
+    find_maxima(a, it);
+    const int64_t nq = it.rows() * a.G;
+    part.resize(nq * D1);
+    total.assign(nq * D1, 0.f);
+    for (int64_t c = 0; c < it.blocks(); ++c) {
+      weigh_blocks(a, it, c, c + 1, s, [&](int64_t) { return part.data(); });
+      add_parts(a, it, c, part.data(), total.data());
+    }
+    write_out(a, it, total.data());
+  });
+}
+
+}  // namespace
+
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor visible,
+                     c10::optional<at::Tensor> key_index) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "attention: q [B, T, H, D], keys and values [rows, KV, capacity, D]");
+  TORCH_CHECK(q.device().is_cpu() && keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "attention: CPU tensors of one dtype");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "attention: the cache must be contiguous");
+  const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), KV = keys.size(1);
+  TORCH_CHECK(keys.size(3) == D && KV > 0 && H % KV == 0 && keys.size(0) >= B, "attention: shapes do not match");
+  TORCH_CHECK(visible.dim() == 3 && visible.size(0) == B && visible.size(1) == Tn &&
+              visible.scalar_type() == at::kBool, "attention: visible must be bool [B, T, S]");
+  visible = visible.contiguous();
+  const int64_t S = visible.size(2);
+  const int64_t* idx = nullptr;
+  at::Tensor index;
+  if (key_index.has_value()) {
+    index = key_index->contiguous();
+    TORCH_CHECK(index.sizes() == visible.sizes() && index.scalar_type() == at::kLong, "attention: key_index [B, T, S] int64");
+    idx = index.data_ptr<int64_t>();
+    const int64_t* end = idx + index.numel();
+    TORCH_CHECK(std::all_of(idx, end, [&](int64_t s) { return s >= 0 && s < keys.size(2); }),
+                "attention: key_index outside the cache");
+  } else {
+    TORCH_CHECK(S <= keys.size(2), "attention: more key slots than the cache holds");
+  }
+  auto out = at::empty({B, Tn, H, D}, q.options());
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const Call<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+                    keys.data_ptr<T>(), values.data_ptr<T>(), Tn, H, KV, H / KV, D, keys.size(2), S,
+                    visible.data_ptr<bool>(), idx, 1.0f / std::sqrt(static_cast<float>(D)), out.data_ptr<T>()};
+    attend(a, B);
+  };
+  if (q.scalar_type() == at::kFloat)
+    run(static_cast<float*>(nullptr));
+  else if (q.scalar_type() == at::kBFloat16)
+    run(static_cast<at::BFloat16*>(nullptr));
+  else
+    TORCH_CHECK(false, "attention: bf16 or fp32");
+  return out;
+}
+
+}  // namespace specdec
