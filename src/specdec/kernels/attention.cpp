@@ -68,26 +68,50 @@ inline float dot8(const float* a, const float* b, int64_t D) {  // the portable 
 }
 
 // exp(x) for x <= 0 (scores less their maximum), in place: Cephes' expf (2^n times a degree-6 polynomial
-// on [-ln2/2, ln2/2], within 2 ulp), in basic operations only, so that the compiler vectorizes it and every
-// build computes the same bits (std::exp is a library call, scalar).
+// on [-ln2/2, ln2/2], within 2 ulp), in basic operations only, so that every build computes the same bits
+// (std::exp is a library call, scalar); the AVX2 loop does the same operations, 8 at a time.
+inline float exp_one(float x) {
+  const float v = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal float
+  const float r = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(v / ln2)
+  float f = v - r * 0.693359375f;  // v - r * ln2, ln2 in two parts
+  f = f - r * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = (p * (f * f) + f) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(r) + 127) << 23;  // 2^r
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 inline void exp_nonpositive(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] < -87.0f ? -87.0f : x[i];  // exp(-87) ~ 1.6e-38: still a normal float
-    const float r = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(v / ln2)
-    float f = v - r * 0.693359375f;  // v - r * ln2, ln2 in two parts
-    f = f - r * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = (p * (f * f) + f) + 1.0f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(r) + 127) << 23;  // 2^r
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    x[i] = p * scale;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const auto c = [](float v) { return _mm256_set1_ps(v); };
+  const auto mul = [](__m256 a, __m256 b) { return _mm256_mul_ps(a, b); };
+  const auto add = [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); };
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x8 = _mm256_loadu_ps(x + i);
+    const __m256 v = _mm256_blendv_ps(x8, c(-87.0f), _mm256_cmp_ps(x8, c(-87.0f), _CMP_LT_OQ));
+    const __m256 r = _mm256_sub_ps(add(mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
+    __m256 f = _mm256_sub_ps(v, mul(r, c(0.693359375f)));
+    f = _mm256_sub_ps(f, mul(r, c(-2.12194440e-4f)));
+    __m256 p = c(1.9875691500e-4f);
+    p = add(mul(p, f), c(1.3981999507e-3f));
+    p = add(mul(p, f), c(8.3334519073e-3f));
+    p = add(mul(p, f), c(4.1665795894e-2f));
+    p = add(mul(p, f), c(1.6666665459e-1f));
+    p = add(mul(p, f), c(5.0000001201e-1f));
+    p = add(add(mul(p, mul(f, f)), f), c(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, mul(p, _mm256_castsi256_ps(bits)));
   }
+#endif
+  for (; i < n; ++i) x[i] = exp_one(x[i]);
 }
 
 #if defined(__AVX2__)
@@ -100,74 +124,106 @@ inline __m128 reduce4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 #endif
 
+#if defined(__AVX2__)
+// NQ queries x NK keys of `score_block` (NQ * NK a multiple of 4, at most 12: the accumulators stay in
+// registers; each key's vector is loaded once for the NQ queries).
+template <int NQ, int NK>
+inline void score_tile(const float* q, const float* k, int64_t D, __m128 scale, float* s, int64_t ld) {
+  __m256 a[NQ * NK];
+#pragma GCC unroll 16
+  for (int x = 0; x < NQ * NK; ++x) a[x] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[NK];
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k + j * D + d);
+#pragma GCC unroll 16
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 x = _mm256_loadu_ps(q + i * D + d);
+#pragma GCC unroll 16
+      for (int j = 0; j < NK; ++j) a[i * NK + j] = _mm256_add_ps(a[i * NK + j], _mm256_mul_ps(x, kv[j]));
+    }
+  }
+  float out[NQ * NK];
+#pragma GCC unroll 16
+  for (int x = 0; x < NQ * NK; x += 4)
+    _mm_storeu_ps(out + x, _mm_mul_ps(reduce4x8(a[x], a[x + 1], a[x + 2], a[x + 3]), scale));
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) s[i * ld + j] = out[i * NK + j];
+}
+
+// NQ queries x NV * 8 dims of `weigh_block` (NQ * NV <= 12 accumulators; each value vector loaded once).
+template <int NQ, int NV>
+inline void weigh_tile(const float* e, int64_t ld, const float* v, int64_t len, int64_t D, float* acc,
+                       int64_t stride) {
+  __m256 a[NQ * NV];
+#pragma GCC unroll 16
+  for (int x = 0; x < NQ * NV; ++x) a[x] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    __m256 vv[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(v + j * D + 8 * c);
+#pragma GCC unroll 16
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 p = _mm256_set1_ps(e[i * ld + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a[i * NV + c] = _mm256_add_ps(a[i * NV + c], _mm256_mul_ps(p, vv[c]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + i * stride + 8 * c, a[i * NV + c]);
+}
+#endif
+
 // s[i * ld + j] = dot(q_i, k_j) * scale for `nq` query vectors q [nq, D] and `len` keys k [len, D].
 void score_block(const float* q, int64_t nq, const float* k, int64_t len, int64_t D, float scale, float* s,
                  int64_t ld) {
   int64_t i = 0;
+  const auto tail = [&](int64_t i0, int64_t i1, int64_t j) {  // keys [j, len) of queries [i0, i1)
+    for (int64_t x = i0; x < i1; ++x)
+      for (int64_t y = j; y < len; ++y) s[x * ld + y] = dot8(q + x * D, k + y * D, D) * scale;
+  };
 #if defined(__AVX2__)
   if (D % 8 == 0) {
     const __m128 sc = _mm_set1_ps(scale);
-    for (; i + 2 <= nq; i += 2) {
-      const float* q0 = q + i * D;
-      const float* q1 = q0 + D;
+    for (; i + 6 <= nq; i += 6) {  // the real target's 6 query heads of a K/V head
       int64_t j = 0;
-      for (; j + 4 <= len; j += 4) {
-        const float* kj = k + j * D;
-        __m256 a[8];
-        for (int x = 0; x < 8; ++x) a[x] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
-          for (int kk = 0; kk < 4; ++kk) {
-            const __m256 kv = _mm256_loadu_ps(kj + kk * D + d);
-            a[kk] = _mm256_add_ps(a[kk], _mm256_mul_ps(x0, kv));
-            a[4 + kk] = _mm256_add_ps(a[4 + kk], _mm256_mul_ps(x1, kv));
-          }
-        }
-        _mm_storeu_ps(s + i * ld + j, _mm_mul_ps(reduce4x8(a[0], a[1], a[2], a[3]), sc));
-        _mm_storeu_ps(s + (i + 1) * ld + j, _mm_mul_ps(reduce4x8(a[4], a[5], a[6], a[7]), sc));
-      }
-      for (; j < len; ++j) {
-        s[i * ld + j] = dot8(q0, k + j * D, D) * scale;
-        s[(i + 1) * ld + j] = dot8(q1, k + j * D, D) * scale;
-      }
+      for (; j + 2 <= len; j += 2) score_tile<6, 2>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+      tail(i, i + 6, j);
+    }
+    for (; i + 2 <= nq; i += 2) {
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) score_tile<2, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+      tail(i, i + 2, j);
+    }
+    for (; i < nq; ++i) {
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) score_tile<1, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+      tail(i, i + 1, j);
     }
   }
 #endif
-  for (; i < nq; ++i)
-    for (int64_t j = 0; j < len; ++j) s[i * ld + j] = dot8(q + i * D, k + j * D, D) * scale;
+  tail(i, nq, 0);
 }
 
-// acc[i * D + d] = sum over j < len, in order, of e[i * ld + j] * v[j * D + d] (from 0), for nq queries.
+// acc[i * stride + d] = sum over j < len, in order, of e[i * ld + j] * v[j * D + d] (from 0), for nq queries.
 void weigh_block(const float* e, int64_t ld, int64_t nq, const float* v, int64_t len, int64_t D, float* acc,
-                 int64_t acc_stride) {
+                 int64_t stride) {
   int64_t i = 0;
 #if defined(__AVX2__)
+  if (D % 16 == 0)
+    for (; i + 6 <= nq; i += 6)
+      for (int64_t d = 0; d < D; d += 16) weigh_tile<6, 2>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
   if (D % 32 == 0) {
-    for (; i + 2 <= nq; i += 2) {
-      const float* e0 = e + i * ld;
-      const float* e1 = e0 + ld;
-      for (int64_t d = 0; d < D; d += 32) {
-        __m256 a[8];
-        for (int x = 0; x < 8; ++x) a[x] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < len; ++j) {
-          const __m256 p0 = _mm256_set1_ps(e0[j]), p1 = _mm256_set1_ps(e1[j]);
-          const float* vj = v + j * D + d;
-          for (int c = 0; c < 4; ++c) {
-            const __m256 vv = _mm256_loadu_ps(vj + 8 * c);
-            a[c] = _mm256_add_ps(a[c], _mm256_mul_ps(p0, vv));
-            a[4 + c] = _mm256_add_ps(a[4 + c], _mm256_mul_ps(p1, vv));
-          }
-        }
-        for (int c = 0; c < 4; ++c) {
-          _mm256_storeu_ps(acc + i * acc_stride + d + 8 * c, a[c]);
-          _mm256_storeu_ps(acc + (i + 1) * acc_stride + d + 8 * c, a[4 + c]);
-        }
-      }
-    }
+    for (; i + 2 <= nq; i += 2)
+      for (int64_t d = 0; d < D; d += 32) weigh_tile<2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+    for (; i < nq; ++i)
+      for (int64_t d = 0; d < D; d += 32) weigh_tile<1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
   }
 #endif
   for (; i < nq; ++i) {
-    float* a = acc + i * acc_stride;
+    float* a = acc + i * stride;
     std::fill(a, a + D, 0.f);
     for (int64_t j = 0; j < len; ++j) {
       const float p = e[i * ld + j];
