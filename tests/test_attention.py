@@ -1,7 +1,7 @@
 """The attention kernel (kernels/attention.cpp, op `attention` of the block kernels' library).
 
 Bits: every output equals, bit for bit, `reference_attention` below, a slow torch transcription of the
-recipe the kernel documents (lane dot products, exact maximum, blocks of 64 keys summed in order); and a
+recipe the kernel documents (lane dot products, blocks of 64 keys, their sums combined in order); and a
 query's bits do not depend on the call: the number of rows, its row's position, the batch, chunked or whole
 prefill, masked key slots, the thread count, or tiles shared across rows vs a tree's gathered keys.
 """
@@ -58,14 +58,22 @@ def reference_attention(q, keys, values, visible, key_index=None):
                 lanes[..., :w] = lanes[..., :w] + prod[..., d:d + w]
             l_ = lanes.unbind(-1)
             s = (((l_[0] + l_[1]) + (l_[2] + l_[3])) + ((l_[4] + l_[5]) + (l_[6] + l_[7]))) * scale  # [H, n]
-            e = exp_nonpositive(s - s.amax(-1, keepdim=True))
-            total, acc = torch.zeros(H), torch.zeros(H, D)
             for c in range(0, n, BLOCK):
+                sb = s[:, c:c + BLOCK]
+                top = sb.amax(-1)  # [H]
+                e = exp_nonpositive(sb - top[:, None])
                 bsum, bacc = torch.zeros(H), torch.zeros(H, D)
-                for j in range(c, min(c + BLOCK, n)):
+                for j in range(e.shape[1]):
                     bsum = bsum + e[:, j]
-                    bacc = bacc + e[:, j, None] * v[:, j]
-                total, acc = total + bsum, acc + bacc
+                    bacc = bacc + e[:, j, None] * v[:, c + j]
+                if c == 0:
+                    m, total, acc = top, bsum, bacc
+                    continue
+                grows = top > m  # the running sums scaled down, else the block's
+                alpha, beta = exp_nonpositive(m - top), exp_nonpositive(top - m)
+                total = torch.where(grows, total * alpha + bsum, total + bsum * beta)
+                acc = torch.where(grows[:, None], acc * alpha[:, None] + bacc, acc + bacc * beta[:, None])
+                m = torch.maximum(m, top)
             out[b, t] = (acc / total[:, None]).to(q.dtype)
     return out
 
@@ -145,13 +153,13 @@ def test_a_query_has_the_same_bits_for_1_to_80_rows_chunks_batches_and_threads(d
 
 
 def test_decoding_at_depth_splits_keys_across_threads_with_the_same_bits():
-    """One row over 1000 keys (16 blocks, split across threads) = the same row in a 40-row pass (threads over
-    rows) = the reference, for 1, 2 and 3 threads."""
+    """One row over 1000 keys = the same row in a 40-row pass = the reference, for 1 to 4 threads (with more
+    threads than K/V heads, each head's 16 blocks are split across threads, parts combined in order)."""
     q, keys, values, visible = causal_case(torch.bfloat16, T=40, committed=(960,), capacity=1024)
     ref = reference_attention(q[:, -1:], keys, values, visible[:, -1:])
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 4):
             torch.set_num_threads(n)
             assert torch.equal(attention(q[:, -1:], keys, values, visible[:, -1:], None), ref), n
             assert torch.equal(attention(q, keys, values, visible, None)[:, -1:], ref), n

@@ -4,13 +4,13 @@
 // What a query computes (this defines its bits; `reference_attention` in tests/test_attention.py is the
 // same recipe written in torch). Its visible keys, in order (slot j, or key_index[j], for each visible j),
 // are numbered by rank r = 0, 1, ..., n - 1 and cut into blocks of kBlock ranks. Then
-//   score_r = dot(q, k_r) * (1 / sqrt(D)), dot: 8 lanes, lane l summing q[d] * k[d] for d = l mod 8 in
-//             order (a product, then a sum: no fused multiply-add), then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7));
-//   m       = the largest score (exact in any order);
-//   e_r     = exp(score_r - m) (`exp_nonpositive`: basic operations only);
-//   for each block c, from 0: sum_c = e_r summed over its ranks in order, acc_c[d] = e_r * v_r[d] summed
-//             likewise; sum = sum_0 + sum_1 + ... and acc[d] = acc_0[d] + acc_1[d] + ..., in block order;
-//   out[d]  = acc[d] / sum (0 when the query sees no key), rounded to q's dtype.
+//   score_r  = dot(q, k_r) * (1 / sqrt(D)), dot: 8 lanes, lane l summing q[d] * k[d] for d = l mod 8 in
+//              order (a product, then a sum: no fused multiply-add), then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7));
+//   block c: m_c = its largest score (exact in any order), e_r = exp(score_r - m_c) (`exp_nonpositive`:
+//              basic operations only), sum_c = its e_r summed in order, acc_c[d] = e_r * v_r[d] likewise;
+//   blocks combined in order (`combine`): (m, sum, acc) = block 0's, then for each next block the side
+//              with the smaller maximum is scaled by exp(its maximum - the larger) and the two added;
+//   out[d]   = acc[d] / sum (0 when the query sees no key), rounded to q's dtype.
 // Nothing in it depends on the other queries of the call, their number, where the query's row sits, the
 // masked or padded slots, the chunk of prefill, the thread count or the instruction set: every build
 // computes the same operations (the AVX2 code is the portable loops' order, vectorized), so every build,
@@ -20,10 +20,10 @@
 // query vectors. Block c of a query whose keys there are slots s0, s0 + 1, ... (a causal prefix: every
 // block but a tree's last) is read from a tile shared by all the item's queries whose block c starts at
 // s0: each K/V block is converted (bf16 -> fp32) once for all G heads and all rows of the item (decode,
-// a verification pass's K + 1 rows, a prefill chunk's rows). Two passes over the blocks: scores (keys),
-// then the exponentials and the weighted values (values). Threads take whole items (prefill, large
-// batches), or, when there are fewer items than threads (decoding at depth), ranges of blocks of each item,
-// whose per-block sums are then added in block order: the same operations either way.
+// a verification pass's K + 1 rows, a prefill chunk's rows), its keys then its values, one block after
+// the other (no scores buffer beyond a block). Threads take whole items (prefill, batches), or, when there
+// are fewer items than threads (decoding at depth on many cores), ranges of blocks of each item, whose
+// parts are then combined in block order: the same operations either way, in one parallel region a call.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
@@ -250,7 +250,7 @@ struct Call {  // one call's inputs
 struct Item {
   int64_t b = 0, g = 0, t0 = 0, t1 = 0;
   std::vector<int64_t> offs, slots;  // row r's slots: slots[offs[r] .. offs[r + 1])
-  std::vector<float> qf, scores, top;  // qf [nq, D]; scores [nq, n_max]; top [nq]
+  std::vector<float> qf;  // [nq, D]
   int64_t n_max = 0;
 
   int64_t rows() const { return t1 - t0; }
@@ -279,8 +279,6 @@ void prepare(const Call<T>& a, int64_t b, int64_t g, int64_t t0, int64_t t1, Ite
       for (int64_t d = 0; d < D; ++d)
         it.qf[((t - t0) * G + h) * D + d] =
             static_cast<float>(a.q[b * a.sb + t * a.st + (g * G + h) * a.sh + d * a.sd]);
-  it.scores.resize(it.rows() * G * it.n_max);
-  it.top.assign(it.rows() * G, -INFINITY);
 }
 
 // Calls fn(r, tile, len) for each row r of the item that has a block c, tile [len, D] (fp32) holding its
@@ -330,79 +328,72 @@ void for_each_tile(const Call<T>& a, const T* head, const Item& it, int64_t c, s
 }
 
 struct Scratch {
-  std::vector<float> tile;
+  std::vector<float> tile, scores, part, totals;
   std::vector<int64_t> start;
 };
 
-// Pass 1 over blocks [c0, c1): the scores of the item's queries, and their running maxima.
-template <typename T>
-void score_blocks(const Call<T>& a, Item& it, int64_t c0, int64_t c1, Scratch& s) {
-  const T* head = a.kc + (it.b * a.KV + it.g) * a.cap * a.D;
-  const int64_t G = a.G, D = a.D, ld = it.n_max;
-  for (int64_t c = c0; c < c1; ++c)
-    for_each_tile(a, head, it, c, s.tile, s.start, [&](int64_t r, const float* k, int64_t len) {
-      score_block(it.qf.data() + r * G * D, G, k, len, D, a.scale, it.scores.data() + r * G * ld + c * kBlock, ld);
-    });
-}
-
-// Pass 2 over blocks [c0, c1): each block's exponentials, their sum and the weighted sum of its values,
-// written to part(c) [nq, D + 1] (the sum at [D]) for the rows that have a block c.
-template <typename T, typename Part>
-void weigh_blocks(const Call<T>& a, Item& it, int64_t c0, int64_t c1, Scratch& s, Part part) {
-  const T* head = a.vc + (it.b * a.KV + it.g) * a.cap * a.D;
-  const int64_t G = a.G, D = a.D, ld = it.n_max;
+// Blocks [c0, c1) of the item, one at a time: for each row that has block c, its G queries' scores, their
+// largest, the exponentials, their sum and the weighted sum of the values -> part [G, D + 2] (the sums
+// over d, then the sum, then the largest score), handed to fn(c, r, part).
+template <typename T, typename Fn>
+void run_blocks(const Call<T>& a, const Item& it, int64_t c0, int64_t c1, Scratch& s, Fn fn) {
+  const T* kh = a.kc + (it.b * a.KV + it.g) * a.cap * a.D;
+  const T* vh = a.vc + (it.b * a.KV + it.g) * a.cap * a.D;
+  const int64_t G = a.G, D = a.D, D2 = D + 2;
+  s.scores.resize(it.rows() * G * kBlock);
+  s.part.resize(it.rows() * G * D2);
   for (int64_t c = c0; c < c1; ++c) {
-    float* p = part(c);
-    for_each_tile(a, head, it, c, s.tile, s.start, [&](int64_t r, const float* v, int64_t len) {
-      float* e = it.scores.data() + r * G * ld + c * kBlock;
-      for (int64_t h = 0; h < G; ++h) {
-        float* eh = e + h * ld;
-        const float m = it.top[r * G + h];
-        for (int64_t j = 0; j < len; ++j) eh[j] -= m;
-        exp_nonpositive(eh, len);
-        float sum = 0.f;
-        for (int64_t j = 0; j < len; ++j) sum += eh[j];
-        p[(r * G + h) * (D + 1) + D] = sum;
-      }
-      weigh_block(e, ld, G, v, len, D, p + r * G * (D + 1), D + 1);
+    for_each_tile(a, kh, it, c, s.tile, s.start, [&](int64_t r, const float* k, int64_t len) {
+      score_block(it.qf.data() + r * G * D, G, k, len, D, a.scale, s.scores.data() + r * G * kBlock, kBlock);
     });
-  }
-}
-
-template <typename T>
-void find_maxima(const Call<T>& a, Item& it) {
-  for (int64_t r = 0; r < it.rows(); ++r)
-    for (int64_t h = 0; h < a.G; ++h) {
-      const float* s = it.scores.data() + (r * a.G + h) * it.n_max;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < it.n(r); ++j) m = std::max(m, s[j]);
-      it.top[r * a.G + h] = m;
+    for (int64_t r = 0; r < it.rows(); ++r) {
+      const int64_t len = std::min(kBlock, it.n(r) - c * kBlock);
+      for (int64_t h = 0; len > 0 && h < G; ++h) {
+        float* e = s.scores.data() + (r * G + h) * kBlock;
+        float m = e[0], sum = 0.f;
+        for (int64_t j = 1; j < len; ++j) m = std::max(m, e[j]);
+        for (int64_t j = 0; j < len; ++j) e[j] -= m;
+        exp_nonpositive(e, len);
+        for (int64_t j = 0; j < len; ++j) sum += e[j];
+        s.part[(r * G + h) * D2 + D] = sum;
+        s.part[(r * G + h) * D2 + D + 1] = m;
+      }
     }
+    for_each_tile(a, vh, it, c, s.tile, s.start, [&](int64_t r, const float* v, int64_t len) {
+      weigh_block(s.scores.data() + r * G * kBlock, kBlock, G, v, len, D, s.part.data() + r * G * D2, D2);
+    });
+    for (int64_t r = 0; r < it.rows(); ++r)
+      if (it.n(r) > c * kBlock) fn(c, r, s.part.data() + r * G * D2);
+  }
 }
 
-// Adds block c's parts to the totals [nq, D + 1] of the rows that have a block c, then (last) writes out.
-template <typename T>
-void add_parts(const Call<T>& a, const Item& it, int64_t c, const float* part, float* total) {
-  const int64_t D1 = a.D + 1;
-  for (int64_t r = 0; r < it.rows(); ++r) {
-    if (it.n(r) <= c * kBlock) continue;
-    for (int64_t i = r * a.G; i < (r + 1) * a.G; ++i)
-      for (int64_t d = 0; d < D1; ++d) total[i * D1 + d] += part[i * D1 + d];
+// A query's running total [D + 2] (as a part) after its block c's part: block 0's part itself; then the
+// one of the two whose largest score is smaller scaled by exp(its largest - the other's), and added.
+inline void combine(int64_t c, const float* part, float* total, int64_t D) {
+  if (c == 0) {
+    std::copy(part, part + D + 2, total);
+  } else if (part[D + 1] > total[D + 1]) {
+    const float alpha = exp_one(total[D + 1] - part[D + 1]);
+    for (int64_t d = 0; d <= D; ++d) total[d] = total[d] * alpha + part[d];
+    total[D + 1] = part[D + 1];
+  } else {
+    const float beta = exp_one(part[D + 1] - total[D + 1]);
+    for (int64_t d = 0; d <= D; ++d) total[d] = total[d] + part[d] * beta;
   }
 }
 
 template <typename T>
-void write_out(const Call<T>& a, const Item& it, const float* total) {
-  const int64_t D = a.D, D1 = D + 1;
+void write_out(const Call<T>& a, const Item& it, const float* totals) {  // totals [rows * G, D + 2]
+  const int64_t D = a.D;
   for (int64_t r = 0; r < it.rows(); ++r)
     for (int64_t h = 0; h < a.G; ++h) {
-      const float* tot = total + (r * a.G + h) * D1;
+      const float* tot = totals + (r * a.G + h) * (D + 2);
       T* o = a.out + ((it.b * a.Tn + it.t0 + r) * a.H + it.g * a.G + h) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(it.n(r) ? tot[d] / tot[D] : 0.f);
     }
 }
 
-// fn(i, scratch) for i in [0, n), items handed out one at a time to the threads (in index order).
+// fn(i, scratch) for i in [0, n), handed out one at a time to the threads, in one parallel region.
 template <typename Fn>
 void run_items(int64_t n, Fn fn) {
   std::atomic<int64_t> next{0};
@@ -416,62 +407,52 @@ void run_items(int64_t n, Fn fn) {
 
 template <typename T>
 void attend(const Call<T>& a, int64_t B) {
-  const int64_t threads = at::get_num_threads(), D1 = a.D + 1;
-  // Few items (decoding, verification): every row of a sequence in one item, threads over ranges of blocks.
-  int64_t max_blocks = 0;
-  if (B * a.KV < 2 * threads && B * a.Tn <= 64) {
+  const int64_t threads = at::get_num_threads(), D2 = a.D + 2, nq = a.Tn * a.G;
+  if (B * a.KV < threads && B * a.Tn <= 64) {
+    // Fewer items than threads (decoding at depth on many cores): each sequence's rows in one item,
+    // threads over ranges of its blocks, whose parts are then combined in block order.
     std::vector<Item> items(B * a.KV);
-    at::parallel_for(0, B * a.KV, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) prepare(a, i / a.KV, i % a.KV, 0, a.Tn, items[i]);
-    });
-    for (const Item& it : items) max_blocks = std::max(max_blocks, it.blocks());
-    const int64_t nq = a.Tn * a.G;
-    if (static_cast<double>(items.size()) * max_blocks * nq * D1 * 4 <= 64e6) {
-      const int64_t per = std::max<int64_t>(1, (4 * threads + items.size() - 1) / items.size());
+    int64_t max_blocks = 0;
+    for (int64_t i = 0; i < B * a.KV; ++i) {
+      prepare(a, i / a.KV, i % a.KV, 0, a.Tn, items[i]);
+      max_blocks = std::max(max_blocks, items[i].blocks());
+    }
+    if (static_cast<double>(items.size()) * max_blocks * nq * D2 * 4 <= 64e6) {
+      const int64_t n_items = items.size(), per = std::max<int64_t>(1, (4 * threads + n_items - 1) / n_items);
       const int64_t chunk = std::max<int64_t>(2, (max_blocks + per - 1) / per);
-      const int64_t chunks = (max_blocks + chunk - 1) / chunk, units = items.size() * chunks;
-      std::vector<float> parts(items.size() * max_blocks * nq * D1);
-      auto part_of = [&](int64_t i) {
-        return [&, i](int64_t c) { return parts.data() + (i * max_blocks + c) * nq * D1; };
-      };
+      const int64_t units = n_items * ((max_blocks + chunk - 1) / chunk);
+      std::vector<float> parts(n_items * max_blocks * nq * D2);
       run_items(units, [&](int64_t u, Scratch& s) {
-        Item& it = items[u % items.size()];
-        const int64_t c0 = u / items.size() * chunk;
-        score_blocks(a, it, c0, std::min(c0 + chunk, it.blocks()), s);
+        const int64_t i = u % n_items, c0 = u / n_items * chunk;
+        run_blocks(a, items[i], c0, std::min(c0 + chunk, items[i].blocks()), s,
+                   [&](int64_t c, int64_t r, const float* part) {
+                     std::copy(part, part + a.G * D2, parts.data() + ((i * max_blocks + c) * nq + r * a.G) * D2);
+                   });
       });
-      for (Item& it : items) find_maxima(a, it);
-      run_items(units, [&](int64_t u, Scratch& s) {
-        const int64_t i = u % items.size(), c0 = u / items.size() * chunk;
-        weigh_blocks(a, items[i], c0, std::min(c0 + chunk, items[i].blocks()), s, part_of(i));
-      });
-      at::parallel_for(0, items.size(), 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> total;
-        for (int64_t i = i0; i < i1; ++i) {
-          total.assign(nq * D1, 0.f);
-          for (int64_t c = 0; c < items[i].blocks(); ++c) add_parts(a, items[i], c, part_of(i)(c), total.data());
-          write_out(a, items[i], total.data());
-        }
-      });
+      std::vector<float> totals(nq * D2);
+      for (int64_t i = 0; i < n_items; ++i) {
+        const Item& it = items[i];
+        for (int64_t r = 0; r < it.rows(); ++r)
+          for (int64_t c = 0; c * kBlock < it.n(r); ++c)
+            for (int64_t x = r * a.G; x < (r + 1) * a.G; ++x)
+              combine(c, parts.data() + ((i * max_blocks + c) * nq + x) * D2, totals.data() + x * D2, a.D);
+        write_out(a, it, totals.data());
+      }
       return;
     }
   }
-  // Many items (prefill, batches): threads take whole items, the longest rows first.
+  // Threads take whole items (rows of one sequence and K/V head), the longest rows first.
   const int64_t row_blocks = (a.Tn + kRowBlock - 1) / kRowBlock, n_items = B * a.KV * row_blocks;
   run_items(n_items, [&](int64_t i, Scratch& s) {
     const int64_t rb = row_blocks - 1 - i / (B * a.KV), bg = i % (B * a.KV);
-    thread_local Item it;
-    thread_local std::vector<float> part, total;
+    Item it;
     prepare(a, bg / a.KV, bg % a.KV, rb * kRowBlock, std::min(a.Tn, (rb + 1) * kRowBlock), it);
-    score_blocks(a, it, 0, it.blocks(), s);
-    find_maxima(a, it);
-    const int64_t nq = it.rows() * a.G;
-    part.resize(nq * D1);
-    total.assign(nq * D1, 0.f);
-    for (int64_t c = 0; c < it.blocks(); ++c) {
-      weigh_blocks(a, it, c, c + 1, s, [&](int64_t) { return part.data(); });
-      add_parts(a, it, c, part.data(), total.data());
-    }
-    write_out(a, it, total.data());
+    s.totals.resize(it.rows() * a.G * D2);
+    run_blocks(a, it, 0, it.blocks(), s, [&](int64_t c, int64_t r, const float* part) {
+      for (int64_t h = 0; h < a.G; ++h)
+        combine(c, part + h * D2, s.totals.data() + (r * a.G + h) * D2, a.D);
+    });
+    write_out(a, it, s.totals.data());
   });
 }
 
