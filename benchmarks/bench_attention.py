@@ -8,6 +8,7 @@ before this one), a worker process loads the target (`gguf` blocks, bf16 activat
     prefill    tokens/s of a `depth`-token prompt fed in chunks of 512 (the engine's `prefill_chunk`)
     decode     tokens/s of plain one-token steps at that depth
     verify     the time of a 4-row pass (a verification of 3 drafted tokens) over that of a 1-row one
+    op         (--op-only: nothing else) the attention op alone at the target's shapes: 1, 4, 512 rows
     itl        (--itl) a short request's inter-token latency, alone and while a `depth`-token prompt is
                prefilled beside it in the engine (chunked prefill), plain greedy decoding
 and, unless --skip-llama, llama-bench -p DEPTH and -n 32 -d DEPTH on the same GGUF with the same threads.
@@ -71,6 +72,34 @@ def worker(depth: int, itl: bool) -> dict:
     return out
 
 
+def op_worker(depth: int, threads: int) -> dict:
+    """The attention op alone at the target's shapes (12 query heads on 2 K/V heads of 128, bf16) over
+    `depth` cached keys: 1 row, 4 rows, a 512-row prefill chunk; wall and process CPU milliseconds (the
+    CPU time is what a loaded machine distorts least), best of a few."""
+    import torch
+
+    from specdec.kernels import qgemm
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, depth + CHUNK, 128, generator=g).bfloat16()
+    values = torch.randn(1, 2, depth + CHUNK, 128, generator=g).bfloat16()
+    out = {}
+    for rows, repeats in ((1, 7), (4, 7), (CHUNK, 2)):
+        q = torch.randn(1, rows, 12, 128, generator=g).bfloat16()
+        visible = torch.ones(1, rows, depth + rows, dtype=torch.bool).tril_(depth)
+        qgemm.ops().attention(q, keys, values, visible, None)
+        wall, cpu = [], []
+        for _ in range(repeats):
+            w, c = time.perf_counter(), time.process_time()
+            qgemm.ops().attention(q, keys, values, visible, None)
+            wall.append(time.perf_counter() - w)
+            cpu.append(time.process_time() - c)
+        out[f"op_{rows}rows_ms"], out[f"op_{rows}rows_cpu_ms"] = 1e3 * min(wall), 1e3 * min(cpu)
+    out["op_verify4_over_1_cpu"] = out["op_4rows_cpu_ms"] / out["op_1rows_cpu_ms"]
+    return out
+
+
 def inter_token_latency(model, tokenizer, depth: int) -> dict:
     """A short request decoding greedily, alone, then while a `depth`-token prompt joins and is prefilled
     beside it (chunks of 512 tokens a step): the mean and worst gap between its tokens."""
@@ -104,7 +133,9 @@ def inter_token_latency(model, tokenizer, depth: int) -> dict:
 
 def run_worker(src: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
-    cmd = [sys.executable, __file__, "--worker", "--depth", str(args.depth)] + (["--itl"] if args.itl else [])
+    cmd = [sys.executable, __file__, "--worker", "--depth", str(args.depth), "--threads", str(args.threads)]
+    cmd += ["--itl"] if args.itl else []
+    cmd += ["--op-only"] if args.op_only else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -128,26 +159,32 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH)
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--itl", action="store_true", help="also the inter-token latency under a long prefill")
+    ap.add_argument("--op-only", action="store_true", help="only the attention op alone (no model, no llama.cpp)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.depth, args.itl)))
+        print(json.dumps(op_worker(args.depth, args.threads) if args.op_only else worker(args.depth, args.itl)))
         return
     load = os.getloadavg()
     sides = {"new": ROOT / "src"} | ({"old": args.old_src.resolve()} if args.old_src else {})
     results = {name: run_worker(src, args) for name, src in sides.items()}
-    if not args.skip_llama and args.llama_bench.is_file():
+    if not (args.skip_llama or args.op_only) and args.llama_bench.is_file():
         sys.path.insert(0, str(ROOT / "src"))
         from specdec.models.store import resolve_model
 
         results["llama.cpp"] = llama_bench(args.llama_bench, resolve_model(TARGET), args.depth, args.threads)
-    keys = ["prefill_tok_s", "decode_tok_s", "verify4_over_1", "pass1_ms", "pass4_ms", "itl_alone_ms",
+    keys = [*(f"op_{r}rows{c}_ms" for r in (1, 4, CHUNK) for c in ("", "_cpu")), "op_verify4_over_1_cpu",
+            "prefill_tok_s", "decode_tok_s", "verify4_over_1", "pass1_ms", "pass4_ms", "itl_alone_ms",
             "itl_during_prefill_ms", "itl_worst_during_prefill_ms"]
     print(f"depth {args.depth}, {args.threads} threads, load average at start {load[0]:.2f} (uptime)")
     print(f"{'':30}" + "".join(f"{name:>12}" for name in results))
     for key in keys:
         if any(key in r for r in results.values()):
             print(f"{key:30}" + "".join(f"{r[key]:12.2f}" if key in r else f"{'-':>12}" for r in results.values()))
+    if "old" in results:
+        for key in keys:
+            if key in results["new"] and key in results["old"]:
+                print(f"old / new {key:30}{results['old'][key] / results['new'][key]:12.2f}")
     if "llama.cpp" in results:
         for key in ("prefill_tok_s", "decode_tok_s"):
             print(f"new / llama.cpp {key:14}{results['new'][key] / results['llama.cpp'][key]:12.2f}")
