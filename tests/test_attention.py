@@ -214,9 +214,11 @@ def long_model(tmp_path_factory):
 
 @pytest.mark.parametrize("length", [8192, 16384], ids=["8k", "16k"])
 def test_greedy_after_a_long_prompt_is_the_same_for_plain_and_every_drafter(long_model, length):
-    """Plain decoding vs a draft model (the model itself, windowed), n-gram, suffix chains and suffix
-    trees, after a prompt of 8k / 16k tokens fed in chunks of 512: the same greedy tokens, bit for bit
-    (every pass is a different shape: 1 row, K + 1 rows, tree rows, 512-row chunks)."""
+    """Plain decoding vs a draft model (the model itself), n-gram, suffix chains and suffix trees after a
+    prompt of 8k tokens fed in chunks of 512: the same greedy tokens, bit for bit (every pass is a different
+    shape: 1 row, K + 1 rows, tree rows, 512-row chunks). At 16k, the draft model and suffix trees only (the
+    two pass shapes, chain and tree; n-gram and suffix chains verify chains as the draft model does), to
+    keep the test to a few minutes."""
     from specdec.config import SamplingParams
     from specdec.engine import Engine
     from specdec.speculative.proposers import DraftModelProposer, NgramProposer, SuffixProposer
@@ -244,6 +246,8 @@ def test_greedy_after_a_long_prompt_is_the_same_for_plain_and_every_drafter(long
         "suffix": (SuffixProposer(SuffixCache()), 5),
         "suffix tree": (SuffixProposer(SuffixCache(), tree=True), 5),
     }
+    if length > 8192:
+        drafters = {name: drafters[name] for name in ("draft model", "suffix tree")}
     for name, (proposer, k) in drafters.items():
         out = generate(proposer, k)
         assert out.token_ids == plain, name
