@@ -18,7 +18,7 @@ def read_at_run_time() -> list[PurePosixPath]:
     """The prompt sets (bench, training), the shipped heads (data/heads), the kernels' sources (compiled on first use)."""
     files = [p for p in (ROOT / "data").rglob("*")  # (a .gitignore is the repository's, not read at run time)
              if p.is_file() and p.suffix not in (".py", ".pyc") and not p.name.startswith(".")]
-    files += list((ROOT / "kernels").glob("*.cpp"))
+    files += list((ROOT / "kernels").glob("*.cpp")) + list((ROOT / "kernels").glob("*.h"))
     return sorted(PurePosixPath(p.relative_to(ROOT).as_posix()) for p in files)
 
 
@@ -26,7 +26,7 @@ def test_the_files_read_at_run_time_are_package_data():
     globs = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-data"]["specdec"]
     files = read_at_run_time()
     assert {"data/humaneval/HumanEval.jsonl.gz", "data/spec_bench/question.jsonl", "kernels/qgemm.cpp",
-            "data/heads/qwen2.5-coder-1.5b-instruct-medusa/model.safetensors"} <= set(map(str, files))
+            "kernels/attention.h", "data/heads/qwen2.5-coder-1.5b-instruct-medusa/model.safetensors"} <= set(map(str, files))
     missing = [str(f) for f in files
                if not any(len(f.parts) == len(PurePosixPath(g).parts) and f.match(g) for g in globs)]
     assert missing == []
