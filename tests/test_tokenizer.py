@@ -32,7 +32,8 @@ def _rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, tied: bool = True,
+                    context_length: int = 256) -> dict[str, np.ndarray]:
     """A 2-layer decoder with the tiny byte-level tokenizer; returns its weights in Hugging Face layout."""
     rng = np.random.default_rng(seed)
     vocab, hidden, ffn, heads, kv_heads, layers = len(TOKENS), 64, 96, 4, 2, 2
@@ -42,7 +43,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, tied: bool =
     if not tied:
         hf["lm_head.weight"] = w(vocab, hidden)
     writer = GGUFWriter(str(path), arch)
-    for key, value in [("block_count", layers), ("context_length", 256), ("embedding_length", hidden),
+    for key, value in [("block_count", layers), ("context_length", context_length), ("embedding_length", hidden),
                        ("feed_forward_length", ffn), ("attention.head_count", heads),
                        ("attention.head_count_kv", kv_heads)]:
         writer.add_uint32(f"{arch}.{key}", value)

@@ -151,7 +151,7 @@ class Attention(nn.Module):
         # Q, K and V as one matrix (set by `fuse_qkv`): one pass over the activations instead of three
         self.qkv_proj: nn.Module | None = None
         # rope and attention as one CPU op each (models on the block kernels): rope bit-identical to the float
-        # path, attention computed query by query (`kernels/csrc/ops/attention.cpp`)
+        # path, attention tiled over 64-key blocks, each query by a fixed recipe (`kernels/csrc/ops/attention.cpp`)
         self.fused = False
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 

@@ -1,22 +1,53 @@
+// Attention over the K/V cache on CPU: decode, verification (chains and trees) and prefill through one
+// implementation, tiled over keys, grouped-query aware, exact and row-invariant.
+//
+// What a query computes (this defines its bits; `reference_attention` in tests/test_attention.py is the
+// same recipe written in torch). Its visible keys, in order (slot j, or key_index[j], for each visible j),
+// are numbered by rank r = 0, 1, ..., n - 1 and cut into blocks of kBlock ranks. Then
+//   score_r  = dot(q, k_r) * (1 / sqrt(D)), dot: 8 lanes, lane l summing q[d] * k[d] for d = l mod 8 in
+//              order (a product, then a sum: no fused multiply-add), then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7));
+//   block c: m_c = its largest score (exact in any order), e_r = exp(score_r - m_c) (`exp_nonpositive`:
+//              basic operations only), sum_c = its e_r summed in order, acc_c[d] = e_r * v_r[d] likewise;
+//   blocks combined in order (`combine`): (m, sum, acc) = block 0's, then for each next block the side
+//              with the smaller maximum is scaled by exp(its maximum - the larger) and the two added;
+//   out[d]   = acc[d] / sum (0 when the query sees no key), rounded to q's dtype.
+// Nothing in it depends on the other queries of the call, their number, where the query's row sits, the
+// masked or padded slots, the chunk of prefill, the thread count or the instruction set: every build
+// computes the same operations (the AVX2 code is the portable loops' order, vectorized), so every build,
+// batch and thread count gives the same bits.
+//
+// How it runs. A work item is one sequence's rows (up to kRowBlock of them) and one K/V head: its G x rows
+// query vectors. Block c of a query whose keys there are slots s0, s0 + 1, ... (a causal prefix: every
+// block but a tree's last) is read from a tile shared by all the item's queries whose block c starts at
+// s0: each K/V block is converted (bf16 -> fp32) once for all G heads and all rows of the item (decode,
+// a verification pass's K + 1 rows, a prefill chunk's rows), its keys then its values, one block after
+// the other (no scores buffer beyond a block). Threads take whole items (prefill, batches), or, when there
+// are fewer items than threads (decoding at depth on many cores), ranges of blocks of each item, whose
+// parts are then combined in block order: the same operations either way, in one parallel region a call.
 #include "../common.h"
 #include "../ops.h"
 
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace SPECDEC_QLIB {
 namespace {
-// Attention of each query over the keys it may see, one query at a time: softmax(q . k / sqrt(D)) . v.
-//
-// Row invariance, by construction: a query's output depends on its own q and on the keys and values it
-// sees, in the order it sees them, and on nothing else (not on the number of queries or rows in the pass,
-// the masked slots, the padding, or the thread count).  Each dot product q . k runs over 16 fp32 lanes
-// (lane l takes dims l, l + 16, ...; a multiply then an add, no fused multiply-add) and one fixed
-// horizontal sum; the softmax sums and each output dimension's weighted sum of values run over the
-// visible keys in order.  The lanes are plain loops the compiler vectorizes (or not, in the portable
-// build) without changing any operation, so every build computes the same bits.
-//
-// q: [B, T, H, D] (any strides); keys, values: [rows, KV, capacity, D] (the cache, contiguous); visible:
-// [B, T, S] bool, key j of query (b, t) being cache slot j, or key_index[b, t, j] when given (a tree:
-// each node's keys in the order its path, decoded token by token, would see them).  Returns [B, T, H, D].
-constexpr int kLanes = 16;
+
+constexpr int64_t kBlock = 64;     // keys (ranks) per block: the unit of tiles, sums and thread splits
+constexpr int64_t kRowBlock = 16;  // rows of one sequence per work item when threads take whole items
 
 inline void to_f32(const float* x, float* y, int64_t n) { std::memcpy(y, x, n * sizeof(float)); }
 
@@ -26,90 +57,403 @@ inline void to_f32(const at::BFloat16* x, float* y, int64_t n) {  // bf16 -> fp3
   for (int64_t i = 0; i < n; ++i) v[i] = static_cast<uint32_t>(u[i]) << 16;
 }
 
-inline float dot_lanes(const float* a, const float* b, int64_t D) {
-  float acc[kLanes] = {};
+inline float reduce8(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+inline float dot8(const float* a, const float* b, int64_t D) {  // the portable dot product
+  float l[8] = {};
   int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int l = 0; i + l < D; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
+  for (; i + 8 <= D; i += 8)
+    for (int k = 0; k < 8; ++k) l[k] += a[i + k] * b[i + k];
+  for (int k = 0; i + k < D; ++k) l[k] += a[i + k] * b[i + k];
+  return reduce8(l);
 }
 
 // exp(x) for x <= 0 (scores less their maximum), in place: Cephes' expf (2^n times a degree-6 polynomial
-// on [-ln2/2, ln2/2], within 2 ulp), written in basic operations only so that the compiler vectorizes it
-// and every build computes the same bits (std::exp is a library call, scalar).
+// on [-ln2/2, ln2/2], within 2 ulp), in basic operations only, so that every build computes the same bits
+// (std::exp is a library call, scalar); the AVX2 loop does the same operations, 8 at a time.
+inline float exp_one(float x) {
+  const float v = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal float
+  const float r = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(v / ln2)
+  float f = v - r * 0.693359375f;  // v - r * ln2, ln2 in two parts
+  f = f - r * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = (p * (f * f) + f) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(r) + 127) << 23;  // 2^r
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 inline void exp_nonpositive(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] < -87.0f ? -87.0f : x[i];  // exp(-87) ~ 1.6e-38: still a normal float
-    const float r = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(v / ln2)
-    float f = v - r * 0.693359375f;  // v - r * ln2, ln2 in two parts
-    f = f - r * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = (p * (f * f) + f) + 1.0f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(r) + 127) << 23;  // 2^r
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    x[i] = p * scale;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const auto c = [](float v) { return _mm256_set1_ps(v); };
+  const auto mul = [](__m256 a, __m256 b) { return _mm256_mul_ps(a, b); };
+  const auto add = [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); };
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x8 = _mm256_loadu_ps(x + i);
+    const __m256 v = _mm256_blendv_ps(x8, c(-87.0f), _mm256_cmp_ps(x8, c(-87.0f), _CMP_LT_OQ));
+    const __m256 r = _mm256_sub_ps(add(mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
+    __m256 f = _mm256_sub_ps(v, mul(r, c(0.693359375f)));
+    f = _mm256_sub_ps(f, mul(r, c(-2.12194440e-4f)));
+    __m256 p = c(1.9875691500e-4f);
+    p = add(mul(p, f), c(1.3981999507e-3f));
+    p = add(mul(p, f), c(8.3334519073e-3f));
+    p = add(mul(p, f), c(4.1665795894e-2f));
+    p = add(mul(p, f), c(1.6666665459e-1f));
+    p = add(mul(p, f), c(5.0000001201e-1f));
+    p = add(add(mul(p, mul(f, f)), f), c(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, mul(p, _mm256_castsi256_ps(bits)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = exp_one(x[i]);
+}
+
+#if defined(__AVX2__)
+// The lane sums ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) of four accumulators, as `reduce8` adds them.
+inline __m128 reduce4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h01 = _mm256_hadd_ps(a0, a1);  // [a0 l0+l1, a0 l2+l3, a1 .., a1 .. | a0 l4+l5, a0 l6+l7, a1 .., a1 ..]
+  const __m256 h23 = _mm256_hadd_ps(a2, a3);
+  const __m256 h = _mm256_hadd_ps(h01, h23);  // [a0..a3 (l0+l1)+(l2+l3) | a0..a3 (l4+l5)+(l6+l7)]
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+#if defined(__AVX2__)
+// NQ queries x NK keys of `score_block` (NQ * NK a multiple of 4, at most 12: the accumulators stay in
+// registers; each key's vector is loaded once for the NQ queries).
+template <int NQ, int NK>
+inline void score_tile(const float* q, const float* k, int64_t D, __m128 scale, float* s, int64_t ld) {
+  __m256 a[NQ * NK];
+#pragma GCC unroll 16
+  for (int x = 0; x < NQ * NK; ++x) a[x] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[NK];
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k + j * D + d);
+#pragma GCC unroll 16
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 x = _mm256_loadu_ps(q + i * D + d);
+#pragma GCC unroll 16
+      for (int j = 0; j < NK; ++j) a[i * NK + j] = _mm256_add_ps(a[i * NK + j], _mm256_mul_ps(x, kv[j]));
+    }
+  }
+  float out[NQ * NK];
+#pragma GCC unroll 16
+  for (int x = 0; x < NQ * NK; x += 4)
+    _mm_storeu_ps(out + x, _mm_mul_ps(reduce4x8(a[x], a[x + 1], a[x + 2], a[x + 3]), scale));
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) s[i * ld + j] = out[i * NK + j];
+}
+
+// NQ queries x NV * 8 dims of `weigh_block` (NQ * NV <= 12 accumulators; each value vector loaded once).
+template <int NQ, int NV>
+inline void weigh_tile(const float* e, int64_t ld, const float* v, int64_t len, int64_t D, float* acc,
+                       int64_t stride) {
+  __m256 a[NQ * NV];
+#pragma GCC unroll 16
+  for (int x = 0; x < NQ * NV; ++x) a[x] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    __m256 vv[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(v + j * D + 8 * c);
+#pragma GCC unroll 16
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 p = _mm256_set1_ps(e[i * ld + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a[i * NV + c] = _mm256_add_ps(a[i * NV + c], _mm256_mul_ps(p, vv[c]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + i * stride + 8 * c, a[i * NV + c]);
+}
+#endif
+
+// s[i * ld + j] = dot(q_i, k_j) * scale for `nq` query vectors q [nq, D] and `len` keys k [len, D].
+void score_block(const float* q, int64_t nq, const float* k, int64_t len, int64_t D, float scale, float* s,
+                 int64_t ld) {
+  int64_t i = 0;
+  const auto tail = [&](int64_t i0, int64_t i1, int64_t j) {  // keys [j, len) of queries [i0, i1)
+    for (int64_t x = i0; x < i1; ++x)
+      for (int64_t y = j; y < len; ++y) s[x * ld + y] = dot8(q + x * D, k + y * D, D) * scale;
+  };
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (; i + 6 <= nq; i += 6) {  // the real target's 6 query heads of a K/V head
+      int64_t j = 0;
+      for (; j + 2 <= len; j += 2) score_tile<6, 2>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+      tail(i, i + 6, j);
+    }
+    for (; i + 2 <= nq; i += 2) {
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) score_tile<2, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+      tail(i, i + 2, j);
+    }
+    for (; i < nq; ++i) {
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) score_tile<1, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+      tail(i, i + 1, j);
+    }
+  }
+#endif
+  tail(i, nq, 0);
+}
+
+// acc[i * stride + d] = sum over j < len, in order, of e[i * ld + j] * v[j * D + d] (from 0), for nq queries.
+void weigh_block(const float* e, int64_t ld, int64_t nq, const float* v, int64_t len, int64_t D, float* acc,
+                 int64_t stride) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (D % 16 == 0)
+    for (; i + 6 <= nq; i += 6)
+      for (int64_t d = 0; d < D; d += 16) weigh_tile<6, 2>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+  if (D % 32 == 0) {
+    for (; i + 2 <= nq; i += 2)
+      for (int64_t d = 0; d < D; d += 32) weigh_tile<2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+    for (; i < nq; ++i)
+      for (int64_t d = 0; d < D; d += 32) weigh_tile<1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+  }
+#endif
+  for (; i < nq; ++i) {
+    float* a = acc + i * stride;
+    std::fill(a, a + D, 0.f);
+    for (int64_t j = 0; j < len; ++j) {
+      const float p = e[i * ld + j];
+      for (int64_t d = 0; d < D; ++d) a[d] += p * v[j * D + d];
+    }
   }
 }
 
 template <typename T>
-void attend_queries(const at::Tensor& q, const T* kc, const T* vc, int64_t kv_heads, int64_t capacity,
-                    const bool* visible, const int64_t* key_index, int64_t S, T* out) {
-  const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), G = H / kv_heads;
-  const T* qp = q.data_ptr<T>();
-  const int64_t sb = q.stride(0), st = q.stride(1), sh = q.stride(2), sd = q.stride(3);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, B * Tn * kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(G * D), row(D), acc(G * D), scores, sums(G);
-    std::vector<int64_t> slots;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t g = item % kv_heads, bt = item / kv_heads, b = bt / Tn, t = bt % Tn;
-      slots.clear();
-      const bool* vis = visible + bt * S;
-      const int64_t* idx = key_index ? key_index + bt * S : nullptr;
-      for (int64_t j = 0; j < S; ++j)
-        if (vis[j]) slots.push_back(idx ? idx[j] : j);
-      const int64_t n = static_cast<int64_t>(slots.size());
-      for (int64_t h = 0; h < G; ++h)
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = f32(qp[b * sb + t * st + (g * G + h) * sh + d * sd]);
-      const T* keys = kc + (b * kv_heads + g) * capacity * D;
-      const T* values = vc + (b * kv_heads + g) * capacity * D;
-      scores.assign(G * n, 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        to_f32(keys + slots[j] * D, row.data(), D);
-        for (int64_t h = 0; h < G; ++h) scores[h * n + j] = dot_lanes(qf.data() + h * D, row.data(), D) * scale;
+struct Call {  // one call's inputs
+  const T* q;
+  int64_t sb, st, sh, sd;  // q's strides
+  const T* kc;
+  const T* vc;
+  int64_t Tn, H, KV, G, D, cap, S;
+  const bool* visible;
+  const int64_t* key_index;
+  float scale;
+  T* out;
+};
+
+// The queries of rows [t0, t1) of sequence b on K/V head g: their visible slots in order, their query
+// vectors in fp32 (row r's G heads at rows r * G ... of qf), and, once scored, their scores and maxima.
+struct Item {
+  int64_t b = 0, g = 0, t0 = 0, t1 = 0;
+  std::vector<int64_t> offs, slots;  // row r's slots: slots[offs[r] .. offs[r + 1])
+  std::vector<float> qf;  // [nq, D]
+  int64_t n_max = 0;
+
+  int64_t rows() const { return t1 - t0; }
+  int64_t n(int64_t r) const { return offs[r + 1] - offs[r]; }
+  int64_t blocks() const { return (n_max + kBlock - 1) / kBlock; }
+};
+
+template <typename T>
+void prepare(const Call<T>& a, int64_t b, int64_t g, int64_t t0, int64_t t1, Item& it) {
+  it.b = b, it.g = g, it.t0 = t0, it.t1 = t1;
+  it.offs.assign(1, 0);
+  it.slots.clear();
+  it.n_max = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const bool* vis = a.visible + (b * a.Tn + t) * a.S;
+    const int64_t* idx = a.key_index ? a.key_index + (b * a.Tn + t) * a.S : nullptr;
+    for (int64_t j = 0; j < a.S; ++j)
+      if (vis[j]) it.slots.push_back(idx ? idx[j] : j);
+    it.offs.push_back(static_cast<int64_t>(it.slots.size()));
+    it.n_max = std::max(it.n_max, it.n(t - t0));
+  }
+  const int64_t G = a.G, D = a.D;
+  it.qf.resize(it.rows() * G * D);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        it.qf[((t - t0) * G + h) * D + d] =
+            static_cast<float>(a.q[b * a.sb + t * a.st + (g * G + h) * a.sh + d * a.sd]);
+}
+
+// Calls fn(r, tile, len) for each row r of the item that has a block c, tile [len, D] (fp32) holding its
+// block's keys (or values) in rank order. Rows whose block is a run of slots s0, s0 + 1, ... share one
+// tile per s0, converted once; other rows (a tree's scattered keys) gather their own.
+template <typename T, typename Fn>
+void for_each_tile(const Call<T>& a, const T* head, const Item& it, int64_t c, std::vector<float>& tile,
+                   std::vector<int64_t>& start, Fn fn) {
+  const int64_t R = it.rows(), D = a.D, first = c * kBlock;
+  start.assign(R, -1);  // -1: no block c; -2: scattered; else its first slot
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = std::min(kBlock, it.n(r) - first);
+    if (len <= 0) continue;
+    const int64_t* sl = it.slots.data() + it.offs[r] + first;
+    bool run = true;
+    for (int64_t j = 1; j < len && run; ++j) run = sl[j] == sl[0] + j;
+    start[r] = run ? sl[0] : -2;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (start[r] == -1) continue;
+    const int64_t* sl = it.slots.data() + it.offs[r] + first;
+    if (start[r] == -2) {
+      const int64_t len = std::min(kBlock, it.n(r) - first);
+      tile.resize(len * D);
+      for (int64_t j = 0; j < len; ++j) to_f32(head + sl[j] * D, tile.data() + j * D, D);
+      fn(r, tile.data(), len);
+      continue;
+    }
+    const int64_t s0 = start[r];
+    int64_t width = 0;
+    for (int64_t u = r; u < R; ++u)
+      if (start[u] == s0) width = std::max(width, std::min(kBlock, it.n(u) - first));
+    const float* keys;
+    if constexpr (std::is_same_v<T, float>) {
+      keys = head + s0 * D;
+    } else {
+      tile.resize(width * D);
+      to_f32(head + s0 * D, tile.data(), width * D);
+      keys = tile.data();
+    }
+    for (int64_t u = r; u < R; ++u)
+      if (start[u] == s0) {
+        fn(u, keys, std::min(kBlock, it.n(u) - first));
+        if (u != r) start[u] = -1;
       }
-      for (int64_t h = 0; h < G; ++h) {
-        float* sc = scores.data() + h * n;
-        float top = -INFINITY, sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) top = std::max(top, sc[j]);
-        for (int64_t j = 0; j < n; ++j) sc[j] -= top;
-        exp_nonpositive(sc, n);
-        for (int64_t j = 0; j < n; ++j) sum += sc[j];
-        sums[h] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        to_f32(values + slots[j] * D, row.data(), D);
-        for (int64_t h = 0; h < G; ++h) {
-          const float p = scores[h * n + j];
-          float* a = acc.data() + h * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
-        }
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        T* o = out + (bt * H + g * G + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(n ? acc[h * D + d] / sums[h] : 0.f);
+  }
+}
+
+struct Scratch {
+  std::vector<float> tile, scores, part, totals;
+  std::vector<int64_t> start;
+};
+
+// Blocks [c0, c1) of the item, one at a time: for each row that has block c, its G queries' scores, their
+// largest, the exponentials, their sum and the weighted sum of the values -> part [G, D + 2] (the sums
+// over d, then the sum, then the largest score), handed to fn(c, r, part).
+template <typename T, typename Fn>
+void run_blocks(const Call<T>& a, const Item& it, int64_t c0, int64_t c1, Scratch& s, Fn fn) {
+  const T* kh = a.kc + (it.b * a.KV + it.g) * a.cap * a.D;
+  const T* vh = a.vc + (it.b * a.KV + it.g) * a.cap * a.D;
+  const int64_t G = a.G, D = a.D, D2 = D + 2;
+  s.scores.resize(it.rows() * G * kBlock);
+  s.part.resize(it.rows() * G * D2);
+  for (int64_t c = c0; c < c1; ++c) {
+    for_each_tile(a, kh, it, c, s.tile, s.start, [&](int64_t r, const float* k, int64_t len) {
+      score_block(it.qf.data() + r * G * D, G, k, len, D, a.scale, s.scores.data() + r * G * kBlock, kBlock);
+    });
+    for (int64_t r = 0; r < it.rows(); ++r) {
+      const int64_t len = std::min(kBlock, it.n(r) - c * kBlock);
+      for (int64_t h = 0; len > 0 && h < G; ++h) {
+        float* e = s.scores.data() + (r * G + h) * kBlock;
+        float m = e[0], sum = 0.f;
+        for (int64_t j = 1; j < len; ++j) m = std::max(m, e[j]);
+        for (int64_t j = 0; j < len; ++j) e[j] -= m;
+        exp_nonpositive(e, len);
+        for (int64_t j = 0; j < len; ++j) sum += e[j];
+        s.part[(r * G + h) * D2 + D] = sum;
+        s.part[(r * G + h) * D2 + D + 1] = m;
       }
     }
+    for_each_tile(a, vh, it, c, s.tile, s.start, [&](int64_t r, const float* v, int64_t len) {
+      weigh_block(s.scores.data() + r * G * kBlock, kBlock, G, v, len, D, s.part.data() + r * G * D2, D2);
+    });
+    for (int64_t r = 0; r < it.rows(); ++r)
+      if (it.n(r) > c * kBlock) fn(c, r, s.part.data() + r * G * D2);
+  }
+}
+
+// A query's running total [D + 2] (as a part) after its block c's part: block 0's part itself; then the
+// one of the two whose largest score is smaller scaled by exp(its largest - the other's), and added.
+inline void combine(int64_t c, const float* part, float* total, int64_t D) {
+  if (c == 0) {
+    std::copy(part, part + D + 2, total);
+  } else if (part[D + 1] > total[D + 1]) {
+    const float alpha = exp_one(total[D + 1] - part[D + 1]);
+    for (int64_t d = 0; d <= D; ++d) total[d] = total[d] * alpha + part[d];
+    total[D + 1] = part[D + 1];
+  } else {
+    const float beta = exp_one(part[D + 1] - total[D + 1]);
+    for (int64_t d = 0; d <= D; ++d) total[d] = total[d] + part[d] * beta;
+  }
+}
+
+template <typename T>
+void write_out(const Call<T>& a, const Item& it, const float* totals) {  // totals [rows * G, D + 2]
+  const int64_t D = a.D;
+  for (int64_t r = 0; r < it.rows(); ++r)
+    for (int64_t h = 0; h < a.G; ++h) {
+      const float* tot = totals + (r * a.G + h) * (D + 2);
+      T* o = a.out + ((it.b * a.Tn + it.t0 + r) * a.H + it.g * a.G + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(it.n(r) ? tot[d] / tot[D] : 0.f);
+    }
+}
+
+// fn(i, scratch) for i in [0, n), handed out one at a time to the threads, in one parallel region.
+template <typename Fn>
+void run_items(int64_t n, Fn fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    Scratch s;
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t i = next++; i < n; i = next++) fn(i, s);
+  });
+}
+
+template <typename T>
+void attend(const Call<T>& a, int64_t B) {
+  const int64_t threads = at::get_num_threads(), D2 = a.D + 2, nq = a.Tn * a.G;
+  if (B * a.KV < threads && B * a.Tn <= 64) {
+    // Fewer items than threads (decoding at depth on many cores): each sequence's rows in one item,
+    // threads over ranges of its blocks, whose parts are then combined in block order.
+    std::vector<Item> items(B * a.KV);
+    int64_t max_blocks = 0;
+    for (int64_t i = 0; i < B * a.KV; ++i) {
+      prepare(a, i / a.KV, i % a.KV, 0, a.Tn, items[i]);
+      max_blocks = std::max(max_blocks, items[i].blocks());
+    }
+    if (static_cast<double>(items.size()) * max_blocks * nq * D2 * 4 <= 64e6) {
+      const int64_t n_items = items.size(), per = std::max<int64_t>(1, (4 * threads + n_items - 1) / n_items);
+      const int64_t chunk = std::max<int64_t>(2, (max_blocks + per - 1) / per);
+      const int64_t units = n_items * ((max_blocks + chunk - 1) / chunk);
+      std::vector<float> parts(n_items * max_blocks * nq * D2);
+      run_items(units, [&](int64_t u, Scratch& s) {
+        const int64_t i = u % n_items, c0 = u / n_items * chunk;
+        run_blocks(a, items[i], c0, std::min(c0 + chunk, items[i].blocks()), s,
+                   [&](int64_t c, int64_t r, const float* part) {
+                     std::copy(part, part + a.G * D2, parts.data() + ((i * max_blocks + c) * nq + r * a.G) * D2);
+                   });
+      });
+      std::vector<float> totals(nq * D2);
+      for (int64_t i = 0; i < n_items; ++i) {
+        const Item& it = items[i];
+        for (int64_t r = 0; r < it.rows(); ++r)
+          for (int64_t c = 0; c * kBlock < it.n(r); ++c)
+            for (int64_t x = r * a.G; x < (r + 1) * a.G; ++x)
+              combine(c, parts.data() + ((i * max_blocks + c) * nq + x) * D2, totals.data() + x * D2, a.D);
+        write_out(a, it, totals.data());
+      }
+      return;
+    }
+  }
+  // Threads take whole items (rows of one sequence and K/V head), the longest rows first.
+  const int64_t row_blocks = (a.Tn + kRowBlock - 1) / kRowBlock, n_items = B * a.KV * row_blocks;
+  run_items(n_items, [&](int64_t i, Scratch& s) {
+    const int64_t rb = row_blocks - 1 - i / (B * a.KV), bg = i % (B * a.KV);
+    Item it;
+    prepare(a, bg / a.KV, bg % a.KV, rb * kRowBlock, std::min(a.Tn, (rb + 1) * kRowBlock), it);
+    s.totals.resize(it.rows() * a.G * D2);
+    run_blocks(a, it, 0, it.blocks(), s, [&](int64_t c, int64_t r, const float* part) {
+      for (int64_t h = 0; h < a.G; ++h)
+        combine(c, part + h * D2, s.totals.data() + (r * a.G + h) * D2, a.D);
+    });
+    write_out(a, it, s.totals.data());
   });
 }
 
@@ -141,12 +485,17 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tenso
     TORCH_CHECK(S <= keys.size(2), "attention: more key slots than the cache holds");
   }
   auto out = at::empty({B, Tn, H, D}, q.options());
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const Call<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+                    keys.data_ptr<T>(), values.data_ptr<T>(), Tn, H, KV, H / KV, D, keys.size(2), S,
+                    visible.data_ptr<bool>(), idx, 1.0f / std::sqrt(static_cast<float>(D)), out.data_ptr<T>()};
+    attend(a, B);
+  };
   if (q.scalar_type() == at::kFloat)
-    attend_queries<float>(q, keys.data_ptr<float>(), values.data_ptr<float>(), KV, keys.size(2),
-                          visible.data_ptr<bool>(), idx, S, out.data_ptr<float>());
+    run(static_cast<float*>(nullptr));
   else if (q.scalar_type() == at::kBFloat16)
-    attend_queries<at::BFloat16>(q, keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), KV, keys.size(2),
-                                 visible.data_ptr<bool>(), idx, S, out.data_ptr<at::BFloat16>());
+    run(static_cast<at::BFloat16*>(nullptr));
   else
     TORCH_CHECK(false, "attention: bf16 or fp32");
   return out;

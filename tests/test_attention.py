@@ -1,0 +1,254 @@
+"""The attention kernel (kernels/csrc/ops/attention.cpp, op `attention` of the block kernels' library).
+
+Bits: every output equals, bit for bit, `reference_attention` below, a slow torch transcription of the
+recipe the kernel documents (lane dot products, blocks of 64 keys, their sums combined in order); and a
+query's bits do not depend on the call: the number of rows, its row's position, the batch, chunked or whole
+prefill, masked key slots, the thread count, or tiles shared across rows vs a tree's gathered keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kernels import qgemm
+
+BLOCK = 64  # keys per block of the kernel's sums
+F32 = torch.float32
+
+
+def _f(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=F32)
+
+
+def exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's exp for x <= 0, operation by operation (each one rounded to fp32, none fused)."""
+    v = torch.clamp(x, min=-87.0)
+    r = (v * _f(1.44269504088896341) + _f(12582912.0)) - _f(12582912.0)
+    f = v - r * _f(0.693359375)
+    f = f - r * _f(-2.12194440e-4)
+    p = torch.full_like(f, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * f + _f(c)
+    p = (p * (f * f) + f) + _f(1.0)
+    scale = ((r.to(torch.int32) + 127) << 23).view(F32)
+    return p * scale
+
+
+def reference_attention(q, keys, values, visible, key_index=None):
+    """q [B, T, H, D]; keys, values [rows, KV, capacity, D]; visible [B, T, S] bool; key_index [B, T, S] or
+    None -> [B, T, H, D]: each query alone, as the kernel's comment defines its bits."""
+    B, T, H, D = q.shape
+    G = H // keys.shape[1]
+    scale = _f(1.0) / torch.sqrt(_f(float(D)))
+    out = torch.zeros(B, T, H, D, dtype=q.dtype)
+    for b in range(B):
+        for t in range(T):
+            seen = visible[b, t].nonzero()[:, 0]
+            slots = key_index[b, t, seen] if key_index is not None else seen
+            n = len(slots)
+            if n == 0:
+                continue
+            k = keys[b, :, slots].float().repeat_interleave(G, 0)  # [H, n, D]
+            v = values[b, :, slots].float().repeat_interleave(G, 0)
+            prod = q[b, t].float()[:, None, :] * k  # [H, n, D]
+            lanes = torch.zeros(H, n, 8)
+            for d in range(0, D, 8):  # lane l: dims l, l + 8, ... in order (a tail in the first lanes)
+                w = min(8, D - d)
+                lanes[..., :w] = lanes[..., :w] + prod[..., d:d + w]
+            l_ = lanes.unbind(-1)
+            s = (((l_[0] + l_[1]) + (l_[2] + l_[3])) + ((l_[4] + l_[5]) + (l_[6] + l_[7]))) * scale  # [H, n]
+            for c in range(0, n, BLOCK):
+                sb = s[:, c:c + BLOCK]
+                top = sb.amax(-1)  # [H]
+                e = exp_nonpositive(sb - top[:, None])
+                bsum, bacc = torch.zeros(H), torch.zeros(H, D)
+                for j in range(e.shape[1]):
+                    bsum = bsum + e[:, j]
+                    bacc = bacc + e[:, j, None] * v[:, c + j]
+                if c == 0:
+                    m, total, acc = top, bsum, bacc
+                    continue
+                grows = top > m  # the running sums scaled down, else the block's
+                alpha, beta = exp_nonpositive(m - top), exp_nonpositive(top - m)
+                total = torch.where(grows, total * alpha + bsum, total + bsum * beta)
+                acc = torch.where(grows[:, None], acc * alpha[:, None] + bacc, acc + bacc * beta[:, None])
+                m = torch.maximum(m, top)
+            out[b, t] = (acc / total[:, None]).to(q.dtype)
+    return out
+
+
+def causal_case(dtype, B=1, T=8, H=12, KV=2, D=128, committed=(150,), capacity=512, seed=0):
+    """A pass of T new rows after `committed[b]` keys in each row b (their K/V already in the cache):
+    q [B, T, H, D] (strided, as a split of qkv), the cache, visible [B, T, S]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H * D + 8, generator=g).to(dtype)[..., :H * D].view(B, T, H, D)
+    keys = (torch.randn(B, KV, capacity, D, generator=g) * 2).to(dtype)  # peaked softmaxes and flat ones
+    values = torch.randn(B, KV, capacity, D, generator=g).to(dtype)
+    S = max(committed) + T
+    visible = torch.zeros(B, T, S, dtype=torch.bool)
+    for b, n in enumerate(committed):
+        for t in range(T):
+            visible[b, t, :n + t + 1] = True
+    return q, keys, values, visible
+
+
+def attention(*args):
+    return qgemm.ops().attention(*args)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H,KV,D", [(12, 2, 128), (4, 4, 64), (6, 3, 72), (2, 1, 20)])
+def test_attention_is_the_reference_recipe_bit_for_bit(dtype, H, KV, D):
+    """Grouped heads like the real target (12 query heads on 2 K/V heads of 128), one per K/V head, head
+    sizes the vector code does not cover whole (72, 20), keys within one block and across several."""
+    q, keys, values, visible = causal_case(dtype, B=2, T=5, H=H, KV=KV, D=D, committed=(150, 30), capacity=256)
+    out = attention(q, keys, values, visible, None)
+    assert torch.equal(out, reference_attention(q, keys, values, visible)), (H, KV, D)
+
+
+def test_attention_is_close_to_softmax_attention_in_float64():
+    q, keys, values, visible = causal_case(F32, B=1, T=3, committed=(300,))
+    out = attention(q, keys, values, visible, None)
+    k = keys[0, :, :303].double().repeat_interleave(6, 0)  # [H, S, D]
+    v = values[0, :, :303].double().repeat_interleave(6, 0)
+    scores = torch.einsum("thd,hsd->ths", q[0].double(), k) / 128 ** 0.5
+    scores = scores.masked_fill(~visible[0, :, None, :], float("-inf"))
+    ref = torch.einsum("ths,hsd->thd", torch.softmax(scores, -1), v)
+    assert torch.allclose(out[0].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_query_has_the_same_bits_for_1_to_80_rows_chunks_batches_and_threads(dtype):
+    """80 new rows after 200 keys (prefill at depth: several blocks, the diagonal inside them): the whole
+    pass, its first 1, 4, 17 and 64 rows (decoding, verification), chunks of 1, 7, 16 and 33 rows (chunked
+    prefill), the sequence as the last of three batch rows of other lengths, more (masked) key slots, and
+    one thread vs two."""
+    T = 80
+    q, keys, values, visible = causal_case(dtype, T=T, committed=(200,), capacity=320)
+    whole = attention(q, keys, values, visible, None)
+    assert torch.equal(whole, reference_attention(q, keys, values, visible))
+    for rows in (1, 4, 17, 64):
+        assert torch.equal(attention(q[:, :rows], keys, values, visible[:, :rows, :200 + rows], None),
+                           whole[:, :rows]), rows
+    for chunk in (1, 7, 16, 33):
+        parts = [attention(q[:, t:t + chunk], keys, values, visible[:, t:t + chunk, :200 + t + chunk], None)
+                 for t in range(0, T, chunk)]
+        assert torch.equal(torch.cat(parts, 1), whole), chunk
+    wide = torch.cat([visible, torch.zeros(1, T, 40, dtype=torch.bool)], -1)
+    assert torch.equal(attention(q, keys, values, wide, None), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(attention(q, keys, values, visible, None), whole)
+        torch.set_num_threads(2)
+        assert torch.equal(attention(q, keys, values, visible, None), whole)
+    finally:
+        torch.set_num_threads(threads)
+    oq, ok, ov, ovis = causal_case(dtype, B=2, T=T, committed=(5, 130), capacity=320, seed=1)
+    bq, bk, bv = torch.cat([oq, q]), torch.cat([ok, keys]), torch.cat([ov, values])
+    bvis = torch.zeros(3, T, 280, dtype=torch.bool)
+    bvis[:2, :, :ovis.shape[-1]], bvis[2] = ovis, visible[0]
+    assert torch.equal(attention(bq, bk, bv, bvis, None)[2], whole[0])
+
+
+def test_decoding_at_depth_splits_keys_across_threads_with_the_same_bits():
+    """One row over 1000 keys = the same row in a 40-row pass = the reference, for 1 to 4 threads (with more
+    threads than K/V heads, each head's 16 blocks are split across threads, parts combined in order)."""
+    q, keys, values, visible = causal_case(torch.bfloat16, T=40, committed=(960,), capacity=1024)
+    ref = reference_attention(q[:, -1:], keys, values, visible[:, -1:])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            assert torch.equal(attention(q[:, -1:], keys, values, visible[:, -1:], None), ref), n
+            assert torch.equal(attention(q, keys, values, visible, None)[:, -1:], ref), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tree_node_over_scattered_slots_has_the_bits_of_its_chain(dtype):
+    """Tree verification: each node sees 130 committed keys, then its ancestors at scattered slots
+    (key_index), in path order; its output is the reference's and that of the same keys laid out as a chain
+    (what decoding the path token by token computes), though the tree's last block is gathered, not a run."""
+    q, keys, values, _ = causal_case(dtype, T=3, committed=(130,), capacity=256)
+    paths = [[140], [140, 150, 141], [145, 133]]  # node t's ancestors and itself, in path order
+    S = 136
+    key_index = torch.arange(S).expand(1, 3, S).clone()
+    visible = torch.zeros(1, 3, S, dtype=torch.bool)
+    visible[0, :, :130] = True
+    for t, path in enumerate(paths):
+        key_index[0, t, 130:130 + len(path)] = torch.tensor(path)
+        visible[0, t, 130:130 + len(path)] = True
+    tree = attention(q, keys, values, visible, key_index)
+    assert torch.equal(tree, reference_attention(q, keys, values, visible, key_index))
+    for t, path in enumerate(paths):
+        chain_k, chain_v = keys.clone(), values.clone()
+        chain_k[:, :, 130:130 + len(path)], chain_v[:, :, 130:130 + len(path)] = keys[:, :, path], values[:, :, path]
+        chain = attention(q[:, t:t + 1], chain_k, chain_v, visible[:, t:t + 1], None)
+        assert torch.equal(tree[:, t:t + 1], chain), t
+
+
+def test_a_query_that_sees_no_key_gets_zeros():
+    q, keys, values, visible = causal_case(F32, T=2, committed=(10,), capacity=64)
+    visible[0, 0] = False
+    out = attention(q, keys, values, visible, None)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    assert torch.equal(out, reference_attention(q, keys, values, visible))
+
+
+# ------------------------------------------------------------------------- long contexts, end to end
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """A tiny 2-layer GGUF on the block kernels (bf16 activations, as the real target runs), with a
+    context of 16k + and its prompts of 8k and 16k tokens that repeat (so that drafts get accepted)."""
+    from specdec.models.loading import load_quantized
+    from test_tokenizer import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("long") / "tiny.gguf"
+    write_tiny_gguf(path, context_length=16384 + 256)
+    _, model, tokenizer = load_quantized(path, "gguf", torch.bfloat16)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("length", [8192, 16384], ids=["8k", "16k"])
+def test_greedy_after_a_long_prompt_is_the_same_for_plain_and_every_drafter(long_model, length):
+    """Plain decoding vs a draft model (the model itself), n-gram, suffix chains and suffix trees after a
+    prompt of 8k tokens fed in chunks of 512: the same greedy tokens, bit for bit (every pass is a different
+    shape: 1 row, K + 1 rows, tree rows, 512-row chunks). At 16k, the draft model and suffix trees only (the
+    two pass shapes, chain and tree; n-gram and suffix chains verify chains as the draft model does), to
+    keep the test to a few minutes."""
+    from specdec.config import SamplingParams
+    from specdec.engine import Engine
+    from specdec.speculative.proposers import DraftModelProposer, NgramProposer, SuffixProposer
+    from specdec.speculative.suffix import SuffixCache
+
+    model, tokenizer = long_model
+    g = torch.Generator().manual_seed(length)
+    motif = torch.randint(3, 60, (300,), generator=g).tolist()
+    prompt = (motif * (length // 300 + 1))[:length]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    max_len = length + 64
+
+    def generate(proposer=None, k: int = 0):
+        engine = Engine(model, tokenizer, proposer=proposer, num_speculative_tokens=k, max_model_len=max_len)
+        engine.add_request("r", prompt, params)
+        final = None
+        while engine.has_unfinished_requests():
+            final = next((o for o in engine.step() if o.finished), final)
+        return final
+
+    plain = generate().token_ids
+    drafters = {
+        "draft model": (DraftModelProposer(model, 1, max_len, window=max_len), 3),
+        "ngram": (NgramProposer(max_n=3), 4),
+        "suffix": (SuffixProposer(SuffixCache()), 5),
+        "suffix tree": (SuffixProposer(SuffixCache(), tree=True), 5),
+    }
+    if length > 8192:
+        drafters = {name: drafters[name] for name in ("draft model", "suffix tree")}
+    for name, (proposer, k) in drafters.items():
+        out = generate(proposer, k)
+        assert out.token_ids == plain, name
+        assert out.metrics.num_drafts > 0, name
