@@ -208,31 +208,8 @@ class Tokenizer:
 
     @cached_property
     def _token_spans(self) -> tuple[int, Fraction] | None:
-        """(`longest`, `spread`) for `fewest_tokens`: the most bytes one token stands for, and the least
-        `spread` such that every token's bytes weigh at most 1 (`singles`/`spread` + `repeats`/`longest`,
-        its bytes that repeat a neighbour inside it being `repeats`). Measured once over the vocabulary,
-        ~0.5 s for 150k tokens. None where the bound does not hold (not byte-level BPE, another
-        normalizer, a non-ASCII added token)."""
-        normalizer = self._backend.normalizer
-        if not isinstance(self._backend.decoder, decoders.ByteLevel) or \
-                not (normalizer is None or isinstance(normalizer, normalizers.NFC)):
-            return None
-        added = self._backend.get_added_tokens_decoder()
-        if not all(t.content.isascii() for t in added.values()):
-            return None
-        byte_of = {char: byte for byte, char in _byte_level_alphabet().items()}
-        spans = []
-        for i in range(self.vocab_size):
-            if i in added:
-                spans.append(added[i].content.encode())
-            elif (piece := self._backend.id_to_token(i)) is not None:
-                if not all(c in byte_of for c in piece):
-                    return None  # not a byte-level vocabulary after all
-                spans.append(bytes(byte_of[c] for c in piece))
-        longest = max(map(len, spans))
-        spread = max((Fraction((len(b) - r) * longest, longest - r) for b in spans
-                      if (r := _repeating_bytes(b)) < len(b)), default=Fraction(longest))
-        return longest, spread
+        """(`longest`, `spread`) for `fewest_tokens` (`token_spans`), measured once."""
+        return token_spans(self._backend, self.vocab_size)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -437,6 +414,34 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+def token_spans(backend, vocab_size: int) -> tuple[int, Fraction] | None:
+    """(`longest`, `spread`) for `Tokenizer.fewest_tokens`, of a `tokenizers` backend: the most bytes one
+    token stands for, and the least `spread` such that every token's bytes weigh at most 1
+    (`singles`/`spread` + `repeats`/`longest`, its bytes that repeat a neighbour inside it being `repeats`).
+    ~0.5 s for 150k tokens. None where the bound does not hold (not byte-level BPE, another
+    normalizer, a non-ASCII added token)."""
+    normalizer = backend.normalizer
+    if not isinstance(backend.decoder, decoders.ByteLevel) or \
+            not (normalizer is None or isinstance(normalizer, normalizers.NFC)):
+        return None
+    added = backend.get_added_tokens_decoder()
+    if not all(t.content.isascii() for t in added.values()):
+        return None
+    byte_of = {char: byte for byte, char in _byte_level_alphabet().items()}
+    spans = []
+    for i in range(vocab_size):
+        if i in added:
+            spans.append(added[i].content.encode())
+        elif (piece := backend.id_to_token(i)) is not None:
+            if not all(c in byte_of for c in piece):
+                return None  # not a byte-level vocabulary after all
+            spans.append(bytes(byte_of[c] for c in piece))
+    longest = max(map(len, spans))
+    spread = max((Fraction((len(b) - r) * longest, longest - r) for b in spans
+                  if (r := _repeating_bytes(b)) < len(b)), default=Fraction(longest))
+    return longest, spread
 
 
 def _repeating_bytes(data: bytes) -> int:
