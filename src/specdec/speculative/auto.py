@@ -163,7 +163,7 @@ class AutoProposer(Proposer):
             return Proposal([Draft([]) for _ in seqs])
         rows = [self._row(seq) for seq in seqs]
         drafts = [replace(d, source="suffix") for d in self.suffix.draft(seqs, ks)]
-        tries, heads = list(drafts), [Draft([]) for _ in seqs]
+        tries, heads = list(drafts), [None] * len(seqs)  # each drafter's own draft (for `_tree`)
         values = [self._value(d.kinds or [], row.lean.lean) for d, row in zip(drafts, rows)]
         forward = None
         if self.labelled:
@@ -190,11 +190,11 @@ class AutoProposer(Proposer):
             drafts = [self._tree(drafts[0], tries[0], heads[0], rows[0], ks[0])]
         return Proposal(drafts, forward)
 
-    def _tree(self, chosen: Draft, trie: Draft, heads: Draft, row: _Row, k: int) -> Draft:
+    def _tree(self, chosen: Draft, trie: Draft, heads: Draft | None, row: _Row, k: int) -> Draft:
         """The trie's and the heads' drafts as one tree (cut to the widths that pay, `k` nodes at most) where
         that is expected to give more tokens per second than `chosen`, the better of them; else `chosen`."""
         base = self._pass(1)
-        if not trie.tokens or not heads.tokens or trie.tokens[0] == heads.tokens[0] or base is None:
+        if heads is None or not trie.tokens or not heads.tokens or trie.tokens[0] == heads.tokens[0] or base is None:
             return chosen
         lean = row.lean.lean
         single = (1.0 + self._reach(chosen.kinds, lean)[-1]) / self._pass(len(chosen.tokens) + 1) \

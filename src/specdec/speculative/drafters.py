@@ -46,8 +46,9 @@ class Drafters:
         """The K/V cache a drafted token adds: a draft model's layers, or an EAGLE head's one layer."""
         if self.draft_model is not None:
             return KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype)
-        layer_config = getattr(self.heads.config, "layer_config", None) if self.heads is not None else None
-        return KVCache.bytes_per_token(layer_config(), dtype) if layer_config is not None else 0
+        if self.heads is not None and self.heads.config.method == "eagle":  # (Medusa heads keep no K/V)
+            return KVCache.bytes_per_token(self.heads.config.layer_config(), dtype)
+        return 0
 
     def second_drafter(self) -> str | None:
         """The drafter beside the suffix tries in auto speculation: the heads' method, "draft_model", or None."""
