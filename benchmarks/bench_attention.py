@@ -1,7 +1,7 @@
 """Attention at depth on the real target (block kernels), side by side with llama.cpp on the same GGUF.
 
     .venv/bin/python benchmarks/bench_attention.py [--depth 8192] [--threads 2] [--old-src ../main/src]
-        [--llama-bench PATH] [--skip-llama] [--itl]
+        [--llama-bench PATH] [--skip-llama] [--itl] [--itl-only]
 
 For each specdec tree given (this checkout's `src`, and with --old-src another checkout's, e.g. the kernel
 before this one), a worker process loads the target (`gguf` blocks, bf16 activations) and measures:
@@ -9,8 +9,9 @@ before this one), a worker process loads the target (`gguf` blocks, bf16 activat
     decode     tokens/s of plain one-token steps at that depth
     verify     the time of a 4-row pass (a verification of 3 drafted tokens) over that of a 1-row one
     op         (--op-only: nothing else) the attention op alone at the target's shapes: 1, 4, 512 rows
-    itl        (--itl) a short request's inter-token latency, alone and while a `depth`-token prompt is
-               prefilled beside it in the engine (chunked prefill), plain greedy decoding
+    itl        (--itl, --itl-only) a short request's inter-token latency, alone and while a `depth`-token
+               prompt is read beside it in the engine, plain greedy decoding: in 512-token chunks of its own
+               (`prefill_itl_factor=None`), and riding in the short request's passes (the default)
 and, unless --skip-llama, llama-bench -p DEPTH and -n 32 -d DEPTH on the same GGUF with the same threads.
 The machine may be shared: compare the ratios measured in one run. Prints a table, then one JSON line.
 """
@@ -31,12 +32,14 @@ LLAMA_BENCH = ROOT.parent / "shared" / "tools" / "llama.cpp-avx2" / "llama-bench
 CHUNK = 512
 
 
-def worker(depth: int, itl: bool, fill: bool = False) -> dict:
+def worker(depth: int, itl: bool, fill: bool = False, itl_only: bool = False) -> dict:
     import torch
 
     from specdec.api import load_model
 
     model, tokenizer, _ = load_model(TARGET, torch.bfloat16, torch.device("cpu"), quantization="gguf")
+    if itl_only:
+        return inter_token_latency(model, tokenizer, depth)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 30000, (1, depth + 8), generator=gen)  # random ids: attention cost is the same
     cache = model.new_cache(1, depth + 64)
@@ -111,16 +114,28 @@ def op_worker(depth: int, threads: int) -> dict:
 
 
 def inter_token_latency(model, tokenizer, depth: int) -> dict:
-    """A short request decoding greedily, alone, then while a `depth`-token prompt joins and is prefilled
-    beside it (chunks of 512 tokens a step): the mean and worst gap between its tokens."""
+    """A short request decoding greedily, alone, then while a `depth`-token prompt joins and is read beside
+    it: in chunks of 512 tokens of its own (`prefill_itl_factor=None`, the engine before), and riding in the
+    short request's steps (the default, factor 2): the mean and worst gap between its tokens, and the time
+    the long prompt took to its first token."""
     import torch
 
     from specdec.config import SamplingParams
     from specdec.engine import Engine
 
-    engine = Engine(model, tokenizer, max_batch_size=2, max_model_len=depth + 256)
     g = torch.Generator().manual_seed(1)
     long_prompt = torch.randint(1000, 30000, (depth,), generator=g).tolist()
+    out = {}
+    for name, factor in (("own chunks", None), ("riding", 2.0)):
+        engine = Engine(model, tokenizer, max_batch_size=2, max_model_len=depth + 256, prefill_itl_factor=factor)
+        out.update({f"{key} ({name})": value for key, value in _gaps(engine, long_prompt).items()})
+    return out
+
+
+def _gaps(engine, long_prompt: list[int]) -> dict:
+    import time
+
+    from specdec.config import SamplingParams
 
     def gaps(with_long: bool, n: int) -> list[float]:
         engine.add_request(f"short{n}", list(range(1000, 1032)), SamplingParams(max_tokens=40, temperature=0.0,
@@ -135,10 +150,13 @@ def inter_token_latency(model, tokenizer, depth: int) -> dict:
         return [b - a for a, b in zip(stamps[4:], stamps[5:])]  # once the long prompt is in (or would be)
 
     alone = gaps(False, 0)
+    t0 = time.perf_counter()
     shared = gaps(True, 1)
+    while engine.has_unfinished_requests():  # (the long prompt's first token, if the short one ended first)
+        engine.step()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {"itl_alone_ms": 1e3 * mean(alone), "itl_during_prefill_ms": 1e3 * mean(shared),
-            "itl_worst_during_prefill_ms": 1e3 * max(shared)}
+            "itl_worst_during_prefill_ms": 1e3 * max(shared), "long_prompt_done_s": time.perf_counter() - t0}
 
 
 def run_worker(src: Path, args) -> dict:
@@ -147,6 +165,7 @@ def run_worker(src: Path, args) -> dict:
     cmd += ["--itl"] if args.itl else []
     cmd += ["--op-only"] if args.op_only else []
     cmd += ["--fill"] if args.fill else []
+    cmd += ["--itl-only"] if args.itl_only else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -170,30 +189,33 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH)
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--itl", action="store_true", help="also the inter-token latency under a long prefill")
+    ap.add_argument("--itl-only", action="store_true", help="only that (no prefill or pass timings, no llama.cpp)")
     ap.add_argument("--op-only", action="store_true", help="only the attention op alone (no model, no llama.cpp)")
     ap.add_argument("--fill", action="store_true", help="random K/V up to depth - 512 instead of a prefill; "
                     "then time the last 512-token chunk and the passes at depth (minutes, not the hour of a loaded machine)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(op_worker(args.depth, args.threads) if args.op_only else worker(args.depth, args.itl, args.fill)))
+        print(json.dumps(op_worker(args.depth, args.threads) if args.op_only else
+                         worker(args.depth, args.itl, args.fill, args.itl_only)))
         return
     load = os.getloadavg()
     sides = {"new": ROOT / "src"} | ({"old": args.old_src.resolve()} if args.old_src else {})
     results = {name: run_worker(src, args) for name, src in sides.items()}
-    if not (args.skip_llama or args.op_only) and args.llama_bench.is_file():
+    if not (args.skip_llama or args.op_only or args.itl_only) and args.llama_bench.is_file():
         sys.path.insert(0, str(ROOT / "src"))
         from specdec.models.store import resolve_model
 
         results["llama.cpp"] = llama_bench(args.llama_bench, resolve_model(TARGET), args.depth, args.threads)
     keys = [*(f"op_{r}rows{c}_ms" for r in (1, 4, CHUNK) for c in ("", "_cpu")), "op_verify4_over_1_cpu",
-            "prefill_tok_s", "prefill_cpu_s", "last_chunk_tok_s", "last_chunk_cpu_s", "decode_tok_s", "verify4_over_1", "verify4_over_1_cpu", "pass1_ms", "pass4_ms", "pass1_cpu_ms", "pass4_cpu_ms", "itl_alone_ms",
-            "itl_during_prefill_ms", "itl_worst_during_prefill_ms"]
+            "prefill_tok_s", "prefill_cpu_s", "last_chunk_tok_s", "last_chunk_cpu_s", "decode_tok_s", "verify4_over_1", "verify4_over_1_cpu", "pass1_ms", "pass4_ms", "pass1_cpu_ms", "pass4_cpu_ms",
+            *(f"{key} ({name})" for name in ("own chunks", "riding") for key in
+              ("itl_alone_ms", "itl_during_prefill_ms", "itl_worst_during_prefill_ms", "long_prompt_done_s"))]
     print(f"depth {args.depth}, {args.threads} threads, load average at start {load[0]:.2f} (uptime)")
-    print(f"{'':30}" + "".join(f"{name:>12}" for name in results))
+    print(f"{'':42}" + "".join(f"{name:>12}" for name in results))
     for key in keys:
         if any(key in r for r in results.values()):
-            print(f"{key:30}" + "".join(f"{r[key]:12.2f}" if key in r else f"{'-':>12}" for r in results.values()))
+            print(f"{key:42}" + "".join(f"{r[key]:12.2f}" if key in r else f"{'-':>12}" for r in results.values()))
     if "old" in results:
         for key in keys:
             if key in results["new"] and key in results["old"]:

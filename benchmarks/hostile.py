@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import socket
 import statistics
@@ -64,21 +65,24 @@ def chat(url: str, content: str, max_tokens: int = 48, stream: bool = False, **e
     return {"text": text, "first": first, "seconds": time.monotonic() - t0}
 
 
-def idle_sockets(url: str, port: int, count: int, seconds: float) -> dict:
-    """Hold `count` silent sockets for `seconds` while timing /health and a short chat's first token."""
-    stop = threading.Event()
-    opened = [0]
+def _hold(port: int, count: int, stop, opened) -> None:
+    """Keep `count` silent sockets open to `port` (reopening those the server closes) until `stop` is set."""
+    socks: list[socket.socket] = []
+    while not stop.is_set():
+        socks = [s for s in socks if s.fileno() != -1 and not _closed(s)]
+        while len(socks) < count and not stop.is_set():
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            with opened.get_lock():
+                opened.value += 1
+        time.sleep(0.2)
+    for s in socks:
+        s.close()
 
-    def hold() -> None:
-        socks: list[socket.socket] = []
-        while not stop.is_set():
-            socks = [s for s in socks if s.fileno() != -1 and not _closed(s)]
-            while len(socks) < count and not stop.is_set():
-                socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
-                opened[0] += 1
-            time.sleep(0.2)
-        for s in socks:
-            s.close()
+
+def idle_sockets(url: str, port: int, count: int, seconds: float) -> dict:
+    """Hold `count` silent sockets for `seconds` while timing /health and a short chat's first token. The
+    sockets are held by another process, so that the timed client does not wait on its work (the GIL)."""
+    stop, opened = multiprocessing.Event(), multiprocessing.Value("i", 0)
 
     def check(seconds: float) -> tuple[list[float], list[float]]:
         health, first_token = [], []
@@ -93,13 +97,13 @@ def idle_sockets(url: str, port: int, count: int, seconds: float) -> dict:
 
     check(1)  # warm: the first request pays for what is built once
     _, alone = check(15)
-    holder = threading.Thread(target=hold)
+    holder = multiprocessing.Process(target=_hold, args=(port, count, stop, opened))
     holder.start()
     time.sleep(2)
     health, first_token = check(seconds)
     stop.set()
     holder.join()
-    return {"sockets": count, "seconds": seconds, "sockets_opened": opened[0], "checks": len(health),
+    return {"sockets": count, "seconds": seconds, "sockets_opened": opened.value, "checks": len(health),
             "health_max_s": round(max(health), 3), "chat_first_token_s": [round(t, 3) for t in first_token],
             "chat_first_token_alone_s": [round(t, 3) for t in alone]}
 
@@ -124,12 +128,13 @@ def tokenize_flood(url: str, calls: int = 8, size: int = 3_000_000) -> dict:
     alone = chat(url, prompt, stream=True)
     answers: list[tuple[float, int, str]] = []
 
-    def one() -> None:
-        t0 = time.monotonic()
-        r = httpx.post(f"{url}/tokenize", content=body, headers={"content-type": "application/json"}, timeout=60)
+    def one(client: httpx.Client) -> None:
+        t0 = time.monotonic()  # the request only: each client (its TLS context, ~30 ms) is made beforehand
+        r = client.post(f"{url}/tokenize", content=body, headers={"content-type": "application/json"})
         answers.append((time.monotonic() - t0, r.status_code, r.json().get("error", {}).get("code", "")))
 
-    flood = [threading.Thread(target=one) for _ in range(calls)]
+    clients = [httpx.Client(timeout=60) for _ in range(calls)]
+    flood = [threading.Thread(target=one, args=(client,)) for client in clients]
     beside: dict = {}
     streamer = threading.Thread(target=lambda: beside.update(chat(url, prompt, stream=True)))
     streamer.start()
@@ -138,6 +143,8 @@ def tokenize_flood(url: str, calls: int = 8, size: int = 3_000_000) -> dict:
         t.start()
     for t in [*flood, streamer]:
         t.join()
+    for client in clients:
+        client.close()
     return {"calls": calls, "bytes": size, "refused": sum(s == 400 and c == "context_length_exceeded"
                                                           for _, s, c in answers),
             "refusal_s": sorted(round(t, 3) for t, _, _ in answers),
@@ -168,9 +175,11 @@ def secret_probe(url: str, trials: int, seed: int, victim: str = "note") -> dict
     for kind, got in rows.items():
         passes, accepted, seconds = zip(*got)
         summary[kind] = {"passes": list(passes), "accepted": list(accepted),
+                         "seconds": [round(s, 2) for s in seconds],
                          "mean_passes": round(statistics.mean(passes), 2),
                          "mean_accepted": round(statistics.mean(accepted), 2),
-                         "mean_s": round(statistics.mean(seconds), 2)}
+                         "mean_s": round(statistics.mean(seconds), 2),
+                         "median_s": round(statistics.median(seconds), 2)}
     return summary
 
 
@@ -185,13 +194,15 @@ def main() -> None:
                     help="the victim's request: a note holding the sentence (no prompt prefix shared with the "
                          "prober's), or the very repetition the prober asks for (the same prompt: the prefix "
                          "cache's channel adds to the time, not to the passes)")
+    ap.add_argument("--serve-args", default="", help="more `specdec serve` arguments for both servers, e.g. "
+                    "--prefix-caching-isolation salt (with --victim repeat: the probe then sees the suffix channel only)")
     args = ap.parse_args()
     MODEL[0] = args.model
     log_dir = tempfile.mkdtemp(prefix="specdec-hostile-")
     print(f"server logs in {log_dir}", flush=True)
     result: dict = {}
     for name, serve_args in (("defaults", []), ("shared-suffix-cache", ["--shared-suffix-cache"])):
-        proc, url = start_server(serve_args, log_dir, model=args.model)
+        proc, url = start_server(serve_args + args.serve_args.split(), log_dir, model=args.model)
         try:
             if name == "defaults" and "idle" in args.parts:
                 result["idle"] = idle_sockets(url, int(url.rsplit(":", 1)[1]), 300, args.idle_s)
@@ -207,10 +218,10 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=120)
-    print(f"\n{'secret probe':28} {'guess':6} {'passes':>7} {'accepted':>9} {'seconds':>8}")
+    print(f"\n{'secret probe':28} {'guess':6} {'passes':>7} {'accepted':>9} {'mean s':>7} {'median s':>9}")
     for name in ("defaults", "shared-suffix-cache") if "probe" in args.parts else ():
         for kind, row in result[f"probe {name}"].items():
-            print(f"{name:28} {kind:6} {row['mean_passes']:7} {row['mean_accepted']:9} {row['mean_s']:8}")
+            print(f"{name:28} {kind:6} {row['mean_passes']:7} {row['mean_accepted']:9} {row['mean_s']:7} {row['median_s']:9}")
     print(json.dumps(result))
 
 

@@ -147,13 +147,14 @@ ACCEPTED = [
      "--speculative-disable-by-batch-size", "4"],
     ["--dtype", "half"], ["--dtype", "bf16"], ["--quantization", "none"], ["--device", "cpu"],
     ["--max-model-len", "256"], ["--gpu-memory-utilization", "0.5"], ["--memory-utilization", "1"],
-    ["--max-num-batched-tokens", "64"], ["--no-enable-prefix-caching"],
-    ["-tp", "1", "--pipeline-parallel-size", "1", "--trust-remote-code", "--enforce-eager"],
+    ["--max-num-batched-tokens", "64"], ["--no-enable-prefix-caching"], ["--prefill-itl-factor", "3"],
+    ["--prefill-itl-factor", "0"], ["-tp", "1", "--pipeline-parallel-size", "1", "--trust-remote-code", "--enforce-eager"],
 ]
 REFUSED_BY_THE_PARSER = [
     ["--dtype", "float8"], ["--quantization", "awq"], ["--gpu-memory-utilization", "0"],
     ["--gpu-memory-utilization", "1.5"], ["--max-model-len", "0"], ["--max-num-batched-tokens", "0"],
-    ["--num-speculative-tokens", "x"],
+    ["--num-speculative-tokens", "x"], ["--prefill-itl-factor", "1"], ["--prefill-itl-factor", "-2"],
+    ["--prefill-itl-factor", "inf"],
 ]
 REFUSED_BEFORE_LOADING = [  # (flags, the reason given)
     (["-tp", "2"], "one device"), (["--pipeline-parallel-size", "2"], "one device"),
@@ -182,6 +183,14 @@ def test_generate_serve_and_bench_read_the_model_flags_alike(flags):
     else:
         with pytest.raises(SystemExit):
             parsed("bench", flags)
+
+
+def test_prefill_itl_factor_zero_turns_riding_prompts_off():
+    from specdec.llm_args import llm_kwargs
+
+    assert "prefill_itl_factor" not in llm_kwargs(parsed("serve", []), "m", None)  # the LLM's default (2)
+    assert llm_kwargs(parsed("serve", ["--prefill-itl-factor", "3"]), "m", None)["prefill_itl_factor"] == 3.0
+    assert llm_kwargs(parsed("serve", ["--prefill-itl-factor", "0"]), "m", None)["prefill_itl_factor"] is None
 
 
 @pytest.mark.parametrize("flags", REFUSED_BY_THE_PARSER, ids=" ".join)

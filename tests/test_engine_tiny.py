@@ -450,8 +450,9 @@ class InjectedFault(RuntimeError):
 def inject(engine: Engine, fault: str, monkeypatch, bad: str = "bad", at: int = 2) -> None:
     """Make one part of the step go wrong for request `bad` only, from its `at`-th time on: "judging"
     (`verification.accept` raises), "detokenizing" (its detokenizer raises, halfway through appending),
-    "prefilling" (the target's forward over one of its prompt chunks raises) or "drafting" (the proposer
-    drafts ids outside the vocabulary, which the target pass cannot take)."""
+    "prefilling" (the target's forward over one of its prompt chunks, fed on its own, raises), "reading" (its
+    prompt chunks ride in the running sequences' pass, and committing one of them raises) or "drafting" (the
+    proposer drafts ids outside the vocabulary, which the target pass cannot take)."""
     calls = 0
 
     def fail_at_call() -> None:
@@ -483,6 +484,15 @@ def inject(engine: Engine, fault: str, monkeypatch, bad: str = "bad", at: int = 
                 return model(tokens, positions, cache, **kw)
 
         engine.target = FailingPrefill()
+    elif fault == "reading":
+        read = engine.prefill.read
+
+        def reading(seq, *args):
+            if seq.request_id == bad:
+                fail_at_call()
+            return read(seq, *args)
+
+        monkeypatch.setattr(engine.prefill, "read", reading)
     elif fault == "detokenizing":
         add_request = engine.add_request
 
@@ -513,16 +523,18 @@ def inject(engine: Engine, fault: str, monkeypatch, bad: str = "bad", at: int = 
         raise ValueError(fault)
 
 
-@pytest.mark.parametrize("fault,kind", [(f, k) for f in ("judging", "detokenizing", "prefilling")
+@pytest.mark.parametrize("fault,kind", [(f, k) for f in ("judging", "detokenizing", "prefilling", "reading")
                                         for k in ("plain", "noisy copy", "ngram")]
                          + [("drafting", "noisy copy"), ("drafting", "ngram")])
 def test_a_fault_in_one_sequence_ends_it_alone(fault, kind, monkeypatch):
     """A request whose own part of a step raises ends alone, finish_reason "abort" with the error said;
     every other request of the batch (running, being prefilled, waiting, joining later) still gets
-    exactly its plain greedy output. A draft the target cannot take is dropped: then nobody fails."""
+    exactly its plain greedy output. A draft the target cannot take is dropped: then nobody fails.
+    "prefilling" feeds prompts in chunks of their own; the others let them ride in the running
+    sequences' pass (the default)."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=3)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, 4, max_model_len=MAX_LEN, max_batch_size=3,
-                    prefill_chunk=3)
+                    prefill_chunk=3, prefill_itl_factor=None if fault == "prefilling" else 2.0)
     inject(engine, fault, monkeypatch)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     requests = [("bad", BAD_PROMPT, greedy(30))] + [(rid, prompt, greedy(n)) for rid, prompt, n, _ in BATCH_REQUESTS]
@@ -536,7 +548,7 @@ def test_a_fault_in_one_sequence_ends_it_alone(fault, kind, monkeypatch):
         return
     assert bad.finish_reason == "abort" and bad.error == f"InjectedFault: {fault} failed"
     assert tuple(bad.token_ids) == plain("fp32", BAD_PROMPT, 30)[:len(bad.token_ids)]  # what it had is right
-    assert bad.token_ids == [] if fault == "prefilling" else 0 < len(bad.token_ids) < 30  # it failed midway
+    assert bad.token_ids == [] if fault in ("prefilling", "reading") else 0 < len(bad.token_ids) < 30  # midway
     assert engine.cache.lengths == [0, 0, 0] and not engine.running  # every row freed
 
 
@@ -583,20 +595,25 @@ CHUNKED_REQUESTS = [
      ("other seed", 2, True)],
 )
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_chunked_prefill_keeps_the_batch_decoding_and_outputs_exact(dtype_name, kind, k, adaptive):
+@pytest.mark.parametrize("itl_factor", [None, 2.0], ids=["own chunks", "riding"])
+def test_chunked_prefill_keeps_the_batch_decoding_and_outputs_exact(itl_factor, dtype_name, kind, k, adaptive):
     """prefill_chunk = 3: a joining prompt is fed at most 3 tokens per step (all joining prompts together),
     while the running sequences take their step in every step; a sequence that leaves while one is being
-    prefilled moves the prefilled rows along. Every output is still its own unbatched plain greedy output."""
+    prefilled moves the prefilled rows along. Every output is still its own unbatched plain greedy output.
+    Prompts are fed in chunks of their own, or ride in the running sequences' pass while some run."""
     proposer = None if kind == "plain" else make_proposer(dtype_name, kind, max_batch_size=3)
     engine = Engine(target(dtype_name), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN,
-                    max_batch_size=3, prefill_chunk=3)
+                    max_batch_size=3, prefill_chunk=3, prefill_itl_factor=itl_factor)
+    if itl_factor is not None:  # riding 2 tokens a step whatever the steps' times: c's prefill spans b's end
+        engine.chunk_budget.tokens = lambda batch_size: 2
     prompts = {rid: prompt for rid, prompt, _, _ in CHUNKED_REQUESTS}
     joined: set[str] = set()
     seen = dict(fed=0, steps_decoding_while_prefilling=0, prefilling_row_moves=0, prefilling=None, row=-1)
 
     def on_step(outputs):
         running_before = seen.pop("running_before", set())
-        joined.update(out.request_id for out in outputs)  # a sequence decodes in the step it joins
+        joined.update(out.request_id for out in outputs)  # a sequence decodes in the step it joins,
+        joined.update(s.request_id for s in engine.running)  # or (its last rows rode in the pass) from the next
         prefilling = engine.prefilling
         fed = sum(len(prompts[r]) - 1 for r in joined)
         if prefilling is not None:

@@ -125,6 +125,7 @@ class LLM:
         max_num_seqs: int = 1,
         memory_utilization: float | None = None,
         prefill_chunk: int = 512,
+        prefill_itl_factor: float | None = 2.0,
         enable_prefix_caching: bool = True,
         prefix_caching_isolation: str = "shared",
     ) -> None:
@@ -170,7 +171,7 @@ class LLM:
                                   draft_model=self.draft_model, heads=self.heads, special_ids=self.tokenizer.special_ids)
         self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
                                    self.memory_plan.prefix_cache_blocks, prefix_caching_isolation,
-                                   self.memory_plan.kv_tokens)
+                                   self.memory_plan.kv_tokens, prefill_itl_factor)
         self._ids = itertools.count()
 
     def engine_for(self, spec: SpeculativeConfig | None) -> Engine:
@@ -191,7 +192,7 @@ class LLM:
 
     def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
                 prefix_cache_blocks: int = 0, prefix_isolation: str = "shared",
-                row_tokens: int | None = None) -> Engine:
+                row_tokens: int | None = None, prefill_itl_factor: float | None = 2.0) -> Engine:
         return Engine(
             self.target,
             self.tokenizer,
@@ -201,6 +202,7 @@ class LLM:
             max_model_len=self.max_model_len,
             max_batch_size=max_num_seqs,
             prefill_chunk=prefill_chunk,
+            prefill_itl_factor=prefill_itl_factor,
             disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             prefix_cache_blocks=prefix_cache_blocks,
             prefix_block_size=self.memory_plan.prefix_block_size,

@@ -63,6 +63,11 @@ def add_llm_arguments(parser: argparse.ArgumentParser, speculation: bool = True)
                             "GPU; on CPU the weights + 4 GiB for K/V caches, as vLLM's CPU backend, at most 0.9 of RAM)")
     model.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                        help="prompt tokens read per engine step at most (chunked prefill; default 512)")
+    model.add_argument("--prefill-itl-factor", type=itl_factor, default=None, metavar="F",
+                       help="while requests are decoding, a new prompt is read inside their steps, as many tokens "
+                            "a step as keep each step within F times a decode step alone (measured), so that a long "
+                            "prompt does not stall their streams (default 2; 0: read it in chunks of "
+                            "--max-num-batched-tokens of its own, the running streams waiting for each)")
     model.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="keep the KV of finished requests' prefixes in what the memory budget leaves, so that a "
                             "request resending them (the next turn of a conversation) prefills only the rest "
@@ -113,6 +118,8 @@ def llm_kwargs(args: argparse.Namespace, model: str, draft: str | None) -> dict[
         kwargs["memory_utilization"] = args.memory_utilization
     if args.max_num_batched_tokens is not None:
         kwargs["prefill_chunk"] = args.max_num_batched_tokens
+    if args.prefill_itl_factor is not None:
+        kwargs["prefill_itl_factor"] = args.prefill_itl_factor or None
     return kwargs
 
 
@@ -158,4 +165,11 @@ def fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def itl_factor(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or 1 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be above 1 (or 0: off), got {text}")
     return value

@@ -31,6 +31,7 @@ whole step.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -40,11 +41,11 @@ from specdec.engine import verification
 from specdec.engine.metrics import SpecMetrics
 from specdec.engine.output_text import OutputText
 from specdec.engine.outputs import RequestOutput
-from specdec.engine.prefill import Prefill
+from specdec.engine.prefill import ChunkBudget, Prefill
 from specdec.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence, request_grammar
-from specdec.engine.target_pass import verifiable, verify
+from specdec.engine.target_pass import PromptRows, verifiable, verify
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import make_generator
 from specdec.speculative.acceptance import Verdict
@@ -52,6 +53,17 @@ from specdec.speculative.controller import SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, Joining, NullProposer, Proposer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Riding:
+    """A joining sequence's next prompt tokens, read in the running sequences' verification pass."""
+
+    seq: Sequence
+    rows: PromptRows
+    batch: Joining  # what the proposer is told of the batch it joins
+    hidden: torch.Tensor | None = None  # [len(rows.tokens), F] the pass's states for the rows
+    seconds: float = 0.0  # the pass's time spent on them (their share of its rows)
 
 
 class Engine:
@@ -65,6 +77,7 @@ class Engine:
         max_model_len: int = 4096,
         max_batch_size: int = 1,
         prefill_chunk: int = 512,
+        prefill_itl_factor: float | None = 2.0,
         disable_by_batch_size: int | None = None,
         prefix_cache_blocks: int = 0,
         prefix_block_size: int = BLOCK_SIZE,
@@ -82,7 +95,9 @@ class Engine:
         sequences run `max_batch_size` at once, a long one in fewer, longer rows, see `Scheduler`); `row_len`: a
         row's length while short sequences run, at most (default: `row_tokens // max_batch_size`); `clock`:
         what every part of a step is timed with, by the controller and the proposer too (default: the
-        controller's, perf_counter after a GPU's queued work)."""
+        controller's, perf_counter after a GPU's queued work); `prefill_itl_factor`: while sequences decode, a
+        joining prompt is read inside their steps, as many tokens a step as keep it within this factor of a
+        decode step alone (`ChunkBudget`); None: in chunks of `prefill_chunk` of its own, each stalling them."""
         self.target = target
         self.vocab_size = target.config.vocab_size  # the width of its logits
         self.tokenizer = tokenizer
@@ -91,6 +106,7 @@ class Engine:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk  # prompt tokens fed per step, at most
+        self.chunk_budget = ChunkBudget(prefill_itl_factor, prefill_chunk) if prefill_itl_factor else None
         if controller is None:
             controller = SpeculationController.for_proposer(self.proposer, num_speculative_tokens, adaptive,
                                                             disable_by_batch_size, clock)
@@ -161,18 +177,21 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()
-        self._prefill()
+        riding = self._prefill()
         if self.running:
-            outputs += self._decode(self.running)
+            outputs += self._decode(self.running, riding)
+        if riding is not None:
+            self._rode(riding)
         outputs += [seq.report([]) for seq in self._failed]
         self._failed.clear()
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self._release(seq)
         return outputs
 
-    def _decode(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Propose, verify (one target pass for the batch), then for each sequence on its own: judge and
-        commit, append and report. A sequence whose own part raises is left out of what follows."""
+    def _decode(self, seqs: list[Sequence], riding: Riding | None = None) -> list[RequestOutput]:
+        """Propose, verify (one target pass for the batch, `riding`'s prompt rows in it if any), then for each
+        sequence on its own: judge and commit, append and report. A sequence whose own part raises is left out
+        of what follows."""
         ks = self.controller.choose([s.estimate for s in seqs], [s.params.max_tokens - s.num_output for s in seqs],
                                     [self.max_model_len - len(s.tokens) for s in seqs], [len(s.tokens) for s in seqs])
         t0 = self._now()
@@ -180,9 +199,13 @@ class Engine:
         drafts = self.controller.cut([verifiable(seq, d, self.vocab_size) for seq, d in zip(seqs, proposal.drafts)],
                                      [s.estimate for s in seqs])
         t1 = self._now()
-        target_logits, hidden = verify(self.target, self.cache, seqs, drafts,
-                                       self.proposer.feature_layers)  # [B, T, V], [B, T, F]
+        target_logits, hidden = verify(self.target, self.cache, seqs, drafts, self.proposer.feature_layers,
+                                       riding and riding.rows)  # [B, T, V], [B (+ 1 riding), T, F]
         t2 = self._now()
+        read = 0 if riding is None else len(riding.rows.tokens)
+        if riding is not None:  # its share of the pass's time, by rows
+            riding.hidden = hidden[len(seqs), :read]
+            riding.seconds = (t2 - t1) * read / (read + sum(1 + len(d.tokens) for d in drafts))
         judged = [self._isolated(seq, self._judge, seq, draft, target_logits[b])
                   for b, (seq, draft) in enumerate(zip(seqs, drafts))]
         live = [b for b, j in enumerate(judged) if j is not None]
@@ -191,9 +214,11 @@ class Engine:
         times = ((t1 - t0) / len(seqs), (t2 - t1) / len(seqs))
         emitted = [self._isolated(seqs[b], self._emit, seqs[b], drafts[b], *judged[b], times) for b in live]
         done = [b for b, out in zip(live, emitted) if out is not None]
+        if self.chunk_budget is not None:
+            self.chunk_budget.record(len(seqs), self._now() - t0, read)
         self.controller.report(StepReport(
             batch_size=len(seqs), k=max(ks), forward_seconds=proposal.forward_seconds,
-            rows=len(seqs) * (1 + max(len(d.tokens) for d in drafts)), verify_seconds=t2 - t1,
+            rows=len(seqs) * (1 + max(len(d.tokens) for d in drafts)), verify_seconds=None if read else t2 - t1,
             outcomes=[(seqs[b].estimate, drafts[b].depth, judged[b][0].num_accepted) for b in done],
             kinds=[(seqs[b].estimate, drafts[b].kinds, judged[b][0].num_accepted) for b in done if drafts[b].kinds]))
         return [out for out in emitted if out is not None]
@@ -236,26 +261,33 @@ class Engine:
             return None
 
     # ----------------------------------------------------------------------------------- joining
-    def _prefill(self) -> None:
+    def _prefill(self) -> Riding | None:
         """Feed joining sequences up to `prefill_chunk` prompt tokens in all (see `Prefill`), so that a long
         prompt delays the running sequences' step by one chunk at most. Once all its prompt tokens but the
         last are in the cache a sequence joins the batch (and decodes in this step), and the next waiting one
-        takes the rest of the budget.
+        takes the rest of the budget. While sequences run (with `chunk_budget`), the joining one's next tokens
+        are instead returned, to ride in their verification pass (read by `_rode`).
 
         Example, prefill_chunk 4, prompts of 10 and 3 tokens waiting (9 and 2 to feed): step 1 feeds tokens
         0..3 of the first, step 2 tokens 4..7, step 3 token 8 (the first joins) and tokens 0..1 of the second
-        (it joins too).
+        (it joins too). With a chunk budget of 2 or more, the second's 2 tokens ride in the first's pass of
+        step 4 instead, and it decodes from step 5.
         """
         budget, prefill = self.prefill_chunk, self.prefill
         while True:
             started = self.scheduler.prefilling is None
             seq = self.scheduler.joining()
             if seq is None:
-                return
+                return None
             batch = Joining(self.running, min(self.max_batch_size, len(self.running) + 1 + len(self.waiting)))
             if started and prefill.caches_prefix(seq) and self._isolated(seq, prefill.restore, seq, batch) is None:
                 self._release(seq)
                 continue
+            if self.running and self.chunk_budget is not None:  # (room: the running rows are padded as wide)
+                room = self.cache.capacity - max(self.cache.lengths[s.row] for s in self.running)
+                rows = prefill.rides(seq, min(budget, room, self.chunk_budget.tokens(len(self.running))))
+                if rows is not None:
+                    return Riding(seq, rows, batch)
             fed = self._isolated(seq, prefill.feed, self.target, seq, budget, batch)
             if fed is None:
                 self._release(seq)
@@ -266,6 +298,21 @@ class Engine:
             self.scheduler.join(seq)
             if prefill.caches_prefix(seq):  # sequences joining later may share its prompt already
                 prefill.save(seq)
+
+    def _rode(self, riding: Riding) -> None:
+        """Commit the prompt rows that rode in this step's pass (`_prefill`); the sequence joins once they
+        complete its prompt but the last token, decoding from the next step."""
+        seq, rows = riding.seq, riding.rows
+        if riding.hidden is None:  # (the pass did not run)
+            return
+        stop = rows.start + len(rows.tokens)
+        if self._isolated(seq, self.prefill.read, seq, stop, riding.hidden, riding.batch, riding.seconds) is None:
+            self._release(seq)
+            return
+        if stop == len(seq.prompt_ids) - 1:
+            self.scheduler.join(seq)
+            if self.prefill.caches_prefix(seq):
+                self.prefill.save(seq)
 
     # ----------------------------------------------------------------------------------- leaving
     def _release(self, seq: Sequence) -> None:

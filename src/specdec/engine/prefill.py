@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from specdec.engine.prefix_cache import PrefixCache
+from specdec.engine.target_pass import PromptRows
 from specdec.engine.verification import token_logprobs
 from specdec.models.kv_cache import KVCache
 from specdec.speculative.controller import SpeculationController
@@ -46,11 +47,29 @@ class Prefill:
         if wants:  # position i scores prompt token i + 1, under the model's raw distribution
             seq.prompt_logprobs.extend(token_logprobs(torch.log_softmax(logits[0].float(), dim=-1),
                                                       seq.prompt_ids[start + 1:stop + 1], seq.params.prompt_logprobs))
-        self.cache.advance(seq.row, stop - start)
         t1 = self.clock()
-        seq.metrics.prefill_time += t1 - t0
         self.controller.record_prefill("target", stop - start, t1 - t0)
-        self.proposer.read_prompt(PromptChunk(seq, start, stop, hidden[0], batch))
+        self.read(seq, stop, hidden[0], batch, t1 - t0)
+        return stop - start
+
+    def rides(self, seq, budget: int) -> PromptRows | None:
+        """The next at most `budget` prompt tokens of `seq`, to be read in the running sequences' verification
+        pass (`target_pass.verify`); None when none are left to feed, or `seq` wants its prompt's log-probabilities
+        (whose logits that pass does not give: it is fed on its own, `feed`)."""
+        start = self.cache.lengths[seq.row]
+        stop = min(len(seq.prompt_ids) - 1, start + budget)
+        if stop <= start or seq.prompt_logprobs is not None:
+            return None
+        return PromptRows(seq.prompt_ids[start:stop], start)
+
+    def read(self, seq, stop: int, hidden: torch.Tensor, batch: Joining, seconds: float) -> int:
+        """`seq`'s prompt up to token `stop` is in its row's new slots (hidden [stop - start, H], the pass's
+        states for them): commit them and tell the proposer; `seconds` of target time spent on them. Returns
+        how many were committed."""
+        start = self.cache.lengths[seq.row]
+        self.cache.advance(seq.row, stop - start)
+        seq.metrics.prefill_time += seconds
+        self.proposer.read_prompt(PromptChunk(seq, start, stop, hidden, batch))
         return stop - start
 
     def caches_prefix(self, seq) -> bool:
@@ -85,3 +104,52 @@ class Prefill:
         keys = pc.keys(seq.tokens[:self.cache.lengths[row]], seq.cache_salt)  # (it may hold tokens past a stop)
         pc.save("target", keys, self.cache, row)
         self.proposer.save_prefix(seq, pc, keys)
+
+
+class ChunkBudget:
+    """How many prompt tokens a joining sequence reads in each step while others decode (its rows riding in
+    their verification pass): as many as keep a step within `factor` times a decode step alone, by
+    measurement, so that a long prompt does not stall the running streams (a 512-token chunk at a depth of
+    8k tokens takes seconds on a CPU).
+
+    A step reading n tokens is modelled as `decode + n x per_token`: `decode` (seconds, per batch size) is
+    measured on steps that read no prompt, `per_token` on those that do (their time beyond `decode`, per
+    token read; it grows with the prompt's depth, which moves little from one step to the next), both as
+    moving averages. The budget is (factor - 1) x decode / per_token tokens, at least 1 (the prompt always
+    advances) and at most `most`; `first` until both are measured.
+
+    Example: factor 2, decode steps of 80 ms, a step that read 8 tokens took 240 ms -> 20 ms a token -> the
+    next step reads (2 - 1) x 80 / 20 = 4 tokens.
+    """
+
+    def __init__(self, factor: float, most: int, first: int = 8, weight: float = 0.3) -> None:
+        if factor <= 1:
+            raise ValueError(f"a step may take factor > 1 times a decode step, got {factor}")
+        self.factor, self.most, self.first, self.weight = factor, most, min(first, most), weight
+        self.decode: dict[int, float] = {}  # batch size -> seconds of a step that reads no prompt
+        self.per_token: float | None = None
+
+    def tokens(self, batch_size: int) -> int:
+        decode = self._decode(batch_size)
+        if decode is None or self.per_token is None:
+            return self.first
+        if self.per_token <= 0:  # (a clock that does not move)
+            return self.most
+        return max(1, min(self.most, int((self.factor - 1) * decode / self.per_token)))
+
+    def record(self, batch_size: int, seconds: float, read: int) -> None:
+        """A step of `batch_size` decoding sequences took `seconds`, reading `read` prompt tokens beside them."""
+        if read == 0:
+            old = self.decode.get(batch_size)
+            self.decode[batch_size] = seconds if old is None else old + self.weight * (seconds - old)
+            return
+        decode = self._decode(batch_size)
+        if decode is None:
+            return
+        per_token = max(seconds - decode, 1e-3 * decode) / read
+        self.per_token = per_token if self.per_token is None else self.per_token + self.weight * (per_token - self.per_token)
+
+    def _decode(self, batch_size: int) -> float | None:
+        if not self.decode:
+            return None
+        return self.decode[min(self.decode, key=lambda b: (abs(b - batch_size), b))]

@@ -432,14 +432,15 @@ class Transformer(nn.Module):
         cache: KVCache,
         mask: torch.Tensor | None = None,  # [B, T, T] bool among the new tokens; None: causal
         num_logits: int | None = None,  # logits for the last n tokens only; None: all T
+        logit_rows: int | None = None,  # logits for the first n rows of the batch only; None: all B
         return_hidden: bool = False,
         head: nn.Module | None = None,  # the output layer, if not lm_head (a draft's vocabulary: `output_rows`)
         feature_layers: tuple[int, ...] = (),  # with return_hidden: these layers' outputs too (EAGLE-3 heads)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, n, vocab] (fp32) and, if asked, the final hidden states [B, T, hidden], preceded along
-        the last axis by the outputs of `feature_layers` (the residual stream after those layers, as computed:
-        [B, T, (len(feature_layers) + 1) * hidden]). Example: feature_layers (2, 14) -> the outputs of layers
-        2 and 14, then the final normed states.
+        """Logits [B or logit_rows, n, vocab] (fp32) and, if asked, the final hidden states [B, T, hidden],
+        preceded along the last axis by the outputs of `feature_layers` (the residual stream after those
+        layers, as computed: [B, T, (len(feature_layers) + 1) * hidden]). Example: feature_layers (2, 14) ->
+        the outputs of layers 2 and 14, then the final normed states.
 
         The new tokens of row b go to cache slots `cache.lengths[b] + t`; they see every committed slot
         of their row and the new tokens that `mask` allows (causal by default; a tree mask for tree drafts).
@@ -458,7 +459,8 @@ class Transformer(nn.Module):
             if i in feature_layers:
                 features.append(h)
         h = self.model.norm(h)
-        logits = (head or self.lm_head)(h if num_logits is None else h[:, -num_logits:]).float()
+        scored = h if logit_rows is None else h[:logit_rows]
+        logits = (head or self.lm_head)(scored if num_logits is None else scored[:, -num_logits:]).float()
         if not return_hidden:
             return logits
         return logits, (torch.cat([*features, h], -1) if features else h)

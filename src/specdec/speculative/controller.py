@@ -461,7 +461,7 @@ class StepReport:
     k: int  # the K chosen for the step (the widest chain asked for)
     forward_seconds: float | None  # one drafting forward (the proposal's measure); None: not measured
     rows: int  # rows in the target pass (batch size x its width)
-    verify_seconds: float
+    verify_seconds: float | None  # None: not a measure of those rows (a joining prompt's rode in the pass)
     outcomes: list[tuple[AcceptanceEstimate, int, int]]  # each judged sequence: (its estimate, depth, accepted)
     # each judged labelled draft: (its sequence's estimate, its kinds, accepted)
     kinds: list[tuple[AcceptanceEstimate, list[int], int]] = field(default_factory=list)
@@ -559,7 +559,8 @@ class SpeculationController:
             if step.batch_size in self._draft_warm:
                 self.costs.record_draft(step.batch_size, step.forward_seconds)
             self._draft_warm.add(step.batch_size)
-        self.costs.record_verify(step.rows, step.verify_seconds)
+        if step.verify_seconds is not None:
+            self.costs.record_verify(step.rows, step.verify_seconds)
         for estimate, depth, accepted in step.outcomes:
             estimate.update(depth, accepted, self.decay)
             self.acceptance.update(depth, accepted, self.decay)
