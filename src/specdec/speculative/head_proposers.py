@@ -35,8 +35,8 @@ def pick_children(seq, head, logits: torch.Tensor, vocab: int,
     the target's vocabulary, as rejection sampling needs). Greedy picks never leave the reduced vocabulary,
     so they skip the full-vocabulary logits."""
     if seq.params.greedy:
-        top = torch.topk(logits, n).indices
-        logp = logits[top].float() - torch.logsumexp(logits.float(), -1)
+        best, top = torch.topk(logits, n)
+        logp = best.float() - torch.logsumexp(logits.float(), -1)
         return head.vocab_ids[top].tolist(), logp, None
     probs = process_logits(head.expand(logits, vocab)[None], seq.params)[0]
     picked = torch.multinomial(probs, n, replacement=True, generator=seq.generator)
@@ -110,7 +110,7 @@ class _FeatureProposer(Proposer):
             return None
         if isinstance(self.tree, DynamicTree):
             return self.tree, k
-        return self.tree.truncated(k) if self.tree is not None else TreeShape.chain(k)
+        return self.tree.truncated(k) if self.tree is not None else _chain(k)
 
     def draft(self, seqs, ks):
         """Grow every sequence's draft a depth at a time, each depth's logits for all of them in one call
@@ -138,6 +138,9 @@ class _FeatureProposer(Proposer):
 
     def _deepen(self, seqs, growths: list["Growth | None"]) -> None:
         """Between two depths (the new frontiers drawn): what the next depth's logits need."""
+
+
+_chain = lru_cache(maxsize=64)(TreeShape.chain)  # (built once per K)
 
 
 @lru_cache(maxsize=256)
@@ -353,20 +356,22 @@ class EagleProposer(_FeatureProposer):
         width = max(len(t) for _, _, t in pairs)
         if width == 0:
             return [None] * len(seqs)
-        H = self.head.config.hidden_size
-        feats = torch.zeros(len(seqs), width, H, dtype=self.head.dtype, device=device)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        positions = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        for b, (start, f, t) in enumerate(pairs):
-            if t:
-                feats[b, :len(t)] = f
-                tokens[b, :len(t)] = torch.tensor(t)
-                tokens[b, len(t):] = t[-1]
-            positions[b] = torch.arange(start, start + width)
+        B, H = len(seqs), self.head.config.hidden_size
+        if B == 1:
+            feats = pairs[0][1][None]  # [1, width, H]
+        else:
+            feats = torch.zeros(B, width, H, dtype=self.head.dtype, device=device)
+            for b, (_, f, t) in enumerate(pairs):
+                if t:
+                    feats[b, :len(t)] = f
+        as_tensor = partial(torch.tensor, dtype=torch.long, device=device)
+        tokens = as_tensor([t + t[-1:] * (width - len(t)) if t else [0] * width for _, _, t in pairs])  # [B, width]
+        positions = as_tensor([list(range(start, start + width)) for start, _, _ in pairs])  # [B, width]: their slots
         last = [max(len(t), 1) - 1 for _, _, t in pairs]  # each row's last pair
-        if max(start for start, _, _ in pairs) + width > self.cache.capacity:
+        end = max(start for start, _, _ in pairs) + width
+        if end > self.cache.capacity:
             # padding a row near the end of its context to the widest would overflow: one pass a row
-            pred = feats.new_zeros(len(seqs), H)
+            pred = feats.new_zeros(B, H)
             for b, (start, _, t) in enumerate(pairs):
                 if t:
                     view = self.cache.row_view(b)
@@ -374,8 +379,9 @@ class EagleProposer(_FeatureProposer):
                                         positions[b:b + 1, :len(t)], view)[0, -1]
         elif width > self.WIDE_FEED:
             pred = self._feed_wide(feats, tokens, positions, last)
-        else:
-            pred = self.head(feats, tokens, positions, self.cache)[torch.arange(len(seqs)), last]  # [B, H]
+        else:  # causal: a pair attends its row's slots up to its own
+            mask = torch.arange(-(-end // KEY_BLOCK) * KEY_BLOCK, device=device) <= positions[..., None]  # [B, width, S]
+            pred = self.head(feats, tokens, positions, self.cache, mask, positions)[torch.arange(B), last]  # [B, H]
         roots = []
         for b, (seq, (start, f, t)) in enumerate(zip(seqs, pairs)):
             self.cache.advance(seq.row, len(t))
