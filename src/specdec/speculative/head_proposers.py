@@ -316,9 +316,9 @@ class EagleProposer(_FeatureProposer):
         S = max(L + (len(g.tokens) if g is not None else 1) for L, g, _ in rows)
         S = -(-S // KEY_BLOCK) * KEY_BLOCK  # whole key blocks (as `attention_inputs` makes them)
         B, H = len(seqs), self.head.config.hidden_size
-        feats = torch.zeros(B, width, H, dtype=self.head.dtype, device=device)
-        mask = torch.zeros(B, width, S, dtype=torch.bool, device=device)
-        tokens, positions, slots = [], [], []
+        feats = torch.zeros(B, width, H, dtype=self.head.dtype, device=device)  # [B, width, H] the parents' predictions
+        mask = torch.zeros(B, width, S, dtype=torch.bool, device=device)  # [B, width, S] the slots each node attends
+        tokens, positions, slots = [], [], []  # [B][width] each
         for b, (L, g, nodes) in enumerate(rows):
             if not nodes:
                 tokens.append([0] * width)
