@@ -6,8 +6,9 @@ Forms: `bf16` (torch matmuls, the layer's attention in Python), `q8_0` (each mat
 kernels, the rest torch: how shipped heads ran before), `q8_0 fused` (Q/K/V and gate/up as one matrix each,
 the whole layer as one kernel op, as the target's layers run). Passes timed, after `--context` committed
 pairs in the head's cache: a 2-pair feed (what a step commits), a chain depth (1 node), a tree depth (8
-nodes under a tree mask) and the output layer over the reduced vocabulary; beside them target passes of 1
-and 3 rows. Median of `--repeats`. Prints a table, then one JSON line.
+nodes under a tree mask), the output layer over the reduced vocabulary, and a prompt's pairs read in one pass
+or as the proposer reads them (their K/V alone, `EagleHead.write_kv`, then the last pair); beside them target
+passes of 1 and 3 rows. Median of `--repeats`. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from specdec.heads.modules import HEAD_CLASSES, _Head, read_heads_config, resolv
 from specdec.speculative.tree import ancestor_mask
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
+PROMPT = 64  # pairs of a prompt read at once
 
 
 def head_in(form: str, folder, target):
@@ -37,6 +39,15 @@ def head_in(form: str, folder, target):
     elif form == "q8_0 fused":
         head.to_block_kernels(target)
     return head
+
+
+def prompt_kv_then_last(head, feats, ids, base: int, cache):
+    """What the EAGLE proposer does with a prompt's pairs: their K/V alone, then a pass of the last pair."""
+    T = ids.shape[1]
+    head.write_kv(feats[:, :-1], ids[:, :-1], torch.arange(base, base + T - 1)[None], cache,
+                  torch.arange(base, base + T - 1)[None])
+    at = torch.tensor([[base + T - 1]])
+    return head(feats[:, -1:], ids[:, -1:], at, cache, torch.arange(cache.capacity)[None, None] <= at, at)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -78,7 +89,7 @@ def main() -> None:
     for form in ("bf16", "q8_0", "q8_0 fused"):
         head = head_in(form, folder, target)
         feats = hidden.to(head.dtype)  # [1, n, H]
-        hcache = head.new_cache(1, n + 16)
+        hcache = head.new_cache(1, n + PROMPT)
         head(feats[:, :n - 3], ids[:, 1:n - 2], torch.arange(n - 3)[None], hcache)
         hcache.advance(0, n - 3)
         base = n - 3
@@ -91,6 +102,10 @@ def main() -> None:
                                                            torch.tensor([[base + d for d in depth]]), hcache,
                                                            mask=tree_mask), args.repeats),
             "output layer, 8 rows": median_ms(lambda: head.logits(feats[0, :8]), args.repeats),
+            f"prompt of {PROMPT} pairs, one pass": median_ms(lambda: head(
+                feats[:, :PROMPT], ids[:, 1:PROMPT + 1], torch.arange(base, base + PROMPT)[None], hcache), args.repeats),
+            f"prompt of {PROMPT} pairs, K/V alone + last": median_ms(lambda: prompt_kv_then_last(
+                head, feats[:, :PROMPT], ids[:, 1:PROMPT + 1], base, hcache), args.repeats),
         }
         results[form] = form_rows
     print(f"context {n} pairs, {args.threads} thread(s), median of {args.repeats} (ms)")

@@ -255,3 +255,44 @@ def test_an_eagle3_head_started_from_an_eagle_head_computes_what_that_head_compu
         outs = [h(h.features(s)[:, :8], ids[:, 1:], torch.arange(8)[None], h.new_cache(1, 8))
                 for h, s in ((head, states), (first, states[..., H:]))]
     assert torch.allclose(*outs, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["block", "float"])
+def test_an_eagle_head_writes_a_prompts_kv_alone_and_attends_what_its_mask_names(tmp_path, kernels):
+    """`write_kv` writes the K/V that a pass writes without computing its predictions, and a pass given cache
+    `slots` and a mask over the cache's slots predicts what the causal pass predicts for the same pair: what
+    the EAGLE proposer does with a prompt (K/V alone, then its last pair) and with drafted nodes (their K/V
+    kept past the committed pairs). On the block kernels the same bits; in float within rounding."""
+    from test_tokenizer import write_tiny_gguf
+
+    from specdec.api import load_model
+
+    if kernels == "block":
+        write_tiny_gguf(tmp_path / "tiny.gguf")
+        target = load_model(str(tmp_path / "tiny.gguf"), torch.bfloat16, torch.device("cpu"), "gguf")[0]
+    else:
+        target = tiny_model("qwen2", seed=0, dtype=torch.bfloat16)
+    head = EagleHead(HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5, generator=torch.Generator().manual_seed(3))
+    save_heads(head, tmp_path / "heads")
+    head = load_heads(tmp_path / "heads", target, "eagle")
+    assert (head.layer.fused_args is not None) == (kernels == "block")
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, 10, target.config.hidden_size, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 11), generator=gen)
+    causal, alone = head.new_cache(1, 64), head.new_cache(1, 64)
+    full = head(feats, ids[:, 1:], torch.arange(10)[None], causal)  # [1, 10, H]
+    head.write_kv(feats[:, :9], ids[:, 1:10], torch.arange(9)[None], alone, torch.arange(9)[None])
+    last = head(feats[:, 9:], ids[:, 10:], torch.tensor([[9]]), alone, torch.arange(64)[None, None] <= 9,
+                torch.tensor([[9]]))  # [1, 1, H]
+    for a, b in zip(causal.keys + causal.values, alone.keys + alone.values):
+        assert torch.equal(a[:, :, :10], b[:, :, :10])
+    if kernels == "block":
+        assert torch.equal(last[0, 0], full[0, 9])
+    else:
+        assert torch.allclose(last[0, 0].float(), full[0, 9].float(), atol=2e-2)
+    # the token rows kept for the head are the target's lookup, bit for bit
+    assert torch.equal(head.embed(ids), target.embed(ids).to(head.embed(ids).dtype))

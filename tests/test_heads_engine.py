@@ -206,7 +206,7 @@ class FixedHeads:
         self.vocab_ids = torch.arange(self.logits.shape[1])
 
     def __call__(self, state: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        return self.logits[:num_heads]
+        return self.logits[:num_heads].expand(*state.shape[:-1], -1, -1)
 
     def expand(self, reduced: torch.Tensor, vocab: int) -> torch.Tensor:
         return reduced.new_full((*reduced.shape[:-1], vocab), float("-inf")).index_copy_(-1, self.vocab_ids, reduced)

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from specdec.config import ModelConfig
 from specdec.data import DATA_DIR
 from specdec.kernels.qgemm import quantize_q8_0
 from specdec.models.kv_cache import KVCache
-from specdec.models.llama import Attention, DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq
+from specdec.models.llama import Attention, DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq, rope_tables
 from specdec.models.qlinear import Q8_0, QuantLinear
 
 HEAD_METHODS = ("medusa", "eagle")
@@ -197,11 +198,11 @@ class EagleHead(_Head):
         self.layer = DecoderLayer(config.layer_config(), 0)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.layer_config()), persistent=False)
-        self.embed = None  # the target's token embedding lookup, set by attach (not a submodule: not saved)
+        self.embed = None  # the target's token embedding rows (`TokenRows`), set by attach (not saved)
 
     def attach(self, target) -> "EagleHead":
         super().attach(target)
-        self.embed = target.embed
+        self.embed = TokenRows(target.embed)
         self.inv_freq = rope_inv_freq(self.config.layer_config()).to(target.device)
         return self
 
@@ -251,12 +252,20 @@ class EagleHead(_Head):
         next_tokens: torch.Tensor,  # [B, T] token t + 1
         positions: torch.Tensor,  # [B, T]
         cache: KVCache,
-        mask: torch.Tensor | None = None,  # [B, T, T] among the new inputs; None: causal
+        mask: torch.Tensor | None = None,  # [B, T, T] among the new inputs (None: causal); with slots: [B, T, S]
+        slots: torch.Tensor | None = None,  # [B, T] the cache slot of each input's K/V
     ) -> torch.Tensor:
         """The predicted hidden state of token t + 1, [B, T, H]. Like `Transformer.forward`, writes the new
-        K/V past each row's committed length and commits nothing."""
+        K/V past each row's committed length and commits nothing. With `slots`, the K/V go to those slots and
+        `mask` [B, T, S] says which of the cache's first S slots each input attends, in slot order: how draft
+        nodes are kept in the cache from one depth to the next, each attending its row's committed pairs and
+        its ancestors (example: pairs in slots 0..9, nodes 0, 1 (children of the root) and 2 (a child of 0)
+        in slots 10, 11, 12; node 2's mask row sees slots 0..10 and 12)."""
         dtype = self.dtype
         x = torch.cat([features.to(dtype), self.embed(next_tokens).to(dtype)], -1)
+        if slots is not None:
+            cos, sin = rope_tables(positions, self.inv_freq, dtype)
+            return self.norm(self.layer(self.fc(x), cos, sin, cache, slots, mask, None, slots))
         cos, sin, write_slots, full_mask, key_index = attention_inputs(cache, positions, mask, self.inv_freq, dtype)
         slots = write_slots  # (the fused layer's write slots: rows of equal length take the next T of each)
         if slots is None and self.layer.fused_args is not None:
@@ -264,6 +273,53 @@ class EagleHead(_Head):
             slots = cache.lengths[0] + torch.arange(T, device=next_tokens.device).expand(B, T)
         h = self.layer(self.fc(x), cos, sin, cache, write_slots, full_mask, key_index, slots)
         return self.norm(h)
+
+    def write_kv(
+        self,
+        features: torch.Tensor,  # [B, T, H]
+        next_tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache,
+        slots: torch.Tensor,  # [B, T] the cache slot of each input's K/V
+    ) -> None:
+        """Only the K/V that `forward` writes for these inputs, bit for bit, without their predictions: a
+        prompt's pairs, of which only the last one's prediction is wanted, at about half a pass's cost."""
+        dtype = self.dtype
+        x = torch.cat([features.to(dtype), self.embed(next_tokens).to(dtype)], -1)
+        cos, sin = rope_tables(positions, self.inv_freq, dtype)
+        self.layer.write_kv(self.fc(x), cos, sin, cache, slots)
+
+
+class TokenRows:
+    """The target's embedding rows of the tokens the head reads, the most recent `size` kept: a lookup in the
+    target's GGUF blocks dequantizes in some twenty torch ops (~0.2 ms, as much for 1 token as for 100), where
+    a draft pass reads 1 to 3 tokens, most of them seen before. Rows are the lookup's own, bit for bit."""
+
+    def __init__(self, embed, size: int = 1024) -> None:
+        self.embed, self.size = embed, size
+        self.rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # token -> [H]
+        self.row_bytes = 0
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """[*ids.shape, H]: the embedding rows of `ids`."""
+        flat = ids.reshape(-1).tolist()
+        if len(flat) > self.size:  # (a prompt): one lookup
+            return self.embed(ids)
+        missing = [t for t in dict.fromkeys(flat) if t not in self.rows]
+        if missing:
+            for t, row in zip(missing, self.embed(torch.tensor(missing, device=ids.device))):
+                self.rows[t] = row
+            self.row_bytes = row.numel() * row.element_size()
+        for t in flat:
+            self.rows.move_to_end(t)
+        while len(self.rows) > self.size:
+            self.rows.popitem(last=False)
+        return torch.stack([self.rows[t] for t in flat]).reshape(*ids.shape, -1)
+
+    @property
+    def nbytes(self) -> int:
+        """The most the kept rows take."""
+        return self.size * self.row_bytes
 
 
 def _q8_linear(linears: list[nn.Linear]) -> QuantLinear:

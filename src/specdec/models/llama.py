@@ -45,6 +45,13 @@ def _runs(values: list[int], size: int) -> list[list[int]]:
     return runs
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B, T, head_dim] of rope at `positions` [B, T] (`inv_freq` [head_dim // 2])."""
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def attention_inputs(
     cache: KVCache,
     positions: torch.Tensor,  # [B, T] rope positions of the new tokens
@@ -70,9 +77,7 @@ def attention_inputs(
     lens = torch.tensor(lengths, device=device)  # [B]
     slot = torch.arange(S, device=device)  # [S]
     write_slots = None if min(lengths) == max(lengths) else lens[:, None] + torch.arange(T, device=device)
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = rope_tables(positions, inv_freq, dtype)
 
     new_idx = slot[None, :] - lens[:, None]  # [B, S] index among new tokens, <0 for committed
     if mask is not None and device.type == "cpu":  # a tree: keys of each node in chain order
@@ -304,6 +309,28 @@ class DecoderLayer(nn.Module):
         self.fused_args = (norms, self.input_layernorm.eps, qkv.kernel_blocks, qkv.kernel_types, qkv.bias,
                            o.kernel_blocks, o.kernel_types, gate_up.kernel_blocks, gate_up.kernel_types,
                            down.kernel_blocks, down.kernel_types)
+
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                 slots: torch.Tensor) -> None:
+        """Only the K/V of inputs x [B, T, hidden] (rope's cos, sin [B, T, head_dim]), written to cache slots
+        [B, T]: what `forward` writes for them, by the same ops, without computing their outputs (a last
+        layer of which only the last input's output is wanted: an EAGLE head reading a prompt)."""
+        attn = self.self_attn
+        B, T, _ = x.shape
+        h = self.input_layernorm(x)
+        if attn.qkv_proj is not None:
+            _, k, v = attn.qkv_proj(h).split(attn.qkv_sizes, dim=-1)
+        else:
+            k, v = attn.k_proj(h), attn.v_proj(h)
+        k = k.reshape(B, T, attn.num_kv_heads, attn.head_dim)
+        v = v.reshape(B, T, attn.num_kv_heads, attn.head_dim)
+        if attn.fused and x.device.type == "cpu":
+            k = qgemm.ops().rope(k, cos, sin)
+        else:
+            k = k * cos.unsqueeze(2) + rotate_half(k) * sin.unsqueeze(2)
+        rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
+        cache.keys[attn.layer_idx][rows, :, slots] = k
+        cache.values[attn.layer_idx][rows, :, slots] = v
 
     def forward(self, x, cos, sin, cache, write_slots, mask, key_index=None, slots=None):
         """`slots` [B, T]: the new tokens' cache slots (for the fused layer; `write_slots` or the rows' next ones)."""

@@ -7,15 +7,21 @@ target recomputes the prefix's last token for them (`restore_prefix`).
 Children of a tree node are the top-ranked tokens of the node's draft distribution when greedy, and
 independent draws from it when sampling; `Draft.probs[i]` is the distribution node i was drawn from,
 which is what tree rejection sampling needs to stay exact.
+
+All sequences' drafts grow together, a depth at a time (`Growth`): each depth's logits at every sequence's
+frontier come from one call of the output layer, and EAGLE's head runs once a depth for all of them. On the
+block kernels, whose rows do not depend on what is computed beside them, the drafts are those of one
+sequence and one node at a time, bit for bit.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
+from specdec.models.kv_cache import KEY_BLOCK
 from specdec.sampling import process_logits
 from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
@@ -29,8 +35,8 @@ def pick_children(seq, head, logits: torch.Tensor, vocab: int,
     the target's vocabulary, as rejection sampling needs). Greedy picks never leave the reduced vocabulary,
     so they skip the full-vocabulary logits."""
     if seq.params.greedy:
-        top = torch.topk(logits, n).indices
-        logp = logits[top].float() - torch.logsumexp(logits.float(), -1)
+        best, top = torch.topk(logits, n)
+        logp = best.float() - torch.logsumexp(logits.float(), -1)
         return head.vocab_ids[top].tolist(), logp, None
     probs = process_logits(head.expand(logits, vocab)[None], seq.params)[0]
     picked = torch.multinomial(probs, n, replacement=True, generator=seq.generator)
@@ -104,63 +110,116 @@ class _FeatureProposer(Proposer):
             return None
         if isinstance(self.tree, DynamicTree):
             return self.tree, k
-        return self.tree.truncated(k) if self.tree is not None else TreeShape.chain(k)
+        return self.tree.truncated(k) if self.tree is not None else _chain(k)
 
-    def _draft(self, seq, shape, logits_of) -> Draft:
-        if isinstance(shape, tuple):
-            return self._draft_dynamic(seq, *shape, logits_of)
-        return self._draft_static(seq, shape, logits_of)
+    def draft(self, seqs, ks):
+        """Grow every sequence's draft a depth at a time, each depth's logits for all of them in one call
+        of the output layer (`_frontier_logits`)."""
+        growths = self._start(seqs, ks)  # a `Growth` per sequence, None: no draft
+        live = [g for g in growths if g is not None]
+        while live:
+            logits = self._frontier_logits(live)  # [sum of the frontiers, vocab_size]
+            at = 0
+            for g in live:
+                n = len(g.frontier)
+                g.grow(logits[at:at + n])
+                at += n
+            live = [g for g in live if not g.done]
+            if live:
+                self._deepen(seqs, growths)
+        return [Draft([]) if g is None else g.draft() for g in growths]
 
-    def _draft_dynamic(self, seq, tree: DynamicTree, depth: int, logits_of) -> Draft:
-        """EAGLE-2: expand the `beam` best-scoring nodes of each depth with `top_k` children each."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        probs: list[torch.Tensor] = []
-        scores: list[float] = []
-        frontier = [-1]
-        for d in range(depth):
-            logits = logits_of(frontier, tokens, parents)  # [len(frontier), vocab_size]
-            new = []
-            for node, lg in zip(frontier, logits):
-                picked, logp, dist = pick_children(seq, self.head, lg, self.vocab, tree.top_k)
-                base = 0.0 if node < 0 else scores[node]
-                for t, lp in zip(picked, logp.tolist()):
-                    new.append(len(tokens))
-                    tokens.append(t)
-                    parents.append(node)
-                    scores.append(base + lp)
-                    if dist is not None:
-                        probs.append(dist)
-            frontier = sorted(new, key=lambda i: -scores[i])[: tree.beam]
-        return Draft(tokens, torch.stack(probs) if probs else None, parents)
+    def _start(self, seqs, ks) -> list["Growth | None"]:
+        raise NotImplementedError
 
-    def _draft_static(self, seq, shape: TreeShape, logits_of) -> Draft:
-        """Grow `shape` depth by depth; `logits_of(parent_nodes)` gives the head's draft logits [len,
-        vocab_size] (its reduced vocabulary) at those nodes (-1: the root)."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        probs: list[torch.Tensor] = []
-        sureness: list[float] = []  # the head's probability of each token (chains: their kinds)
-        node_of_path: dict[tuple[int, ...], int] = {(): -1}
-        for depth in range(1, shape.depth + 1):
-            level = [(p, path) for p, path in zip(shape.parents, shape.paths) if len(path) == depth]
-            parent_paths = sorted({path[:-1] for _, path in level}, key=lambda q: node_of_path[q])
-            parent_nodes = [node_of_path[q] for q in parent_paths]
-            logits = logits_of(parent_nodes, tokens, parents)  # [len(parent_nodes), vocab_size]
-            for q, node, lg in zip(parent_paths, parent_nodes, logits):
-                children = [path for _, path in level if path[:-1] == q]  # ranks 0..n-1
-                picked, logp, dist = pick_children(seq, self.head, lg, self.vocab, len(children))
-                if self.guess_kinds:  # a chain: one child, the head's probability of it
-                    sureness.append(float(torch.exp(logp[0])))
-                for path in children:
-                    node_of_path[path] = len(tokens)
-                    tokens.append(picked[path[-1]])
-                    parents.append(node)
-                    if dist is not None:
-                        probs.append(dist)
-        is_chain = all(p == i - 1 for i, p in enumerate(parents))
-        kinds = [self.kind_of(d, p) for d, p in enumerate(sureness)] if self.guess_kinds else None
-        return Draft(tokens, torch.stack(probs) if probs else None, None if is_chain else parents, kinds)
+    def _frontier_logits(self, growths: list["Growth"]) -> torch.Tensor:
+        """The head's logits [sum of len(g.frontier), vocab_size] at the frontier nodes of `growths`, in order."""
+        raise NotImplementedError
+
+    def _deepen(self, seqs, growths: list["Growth | None"]) -> None:
+        """Between two depths (the new frontiers drawn): what the next depth's logits need."""
+
+
+_chain = lru_cache(maxsize=64)(TreeShape.chain)  # (built once per K)
+
+
+@lru_cache(maxsize=256)
+def _levels(shape: TreeShape) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """For each depth of `shape`: the nodes whose children it draws, in node order (-1: the root), and how
+    many children each. Example: the default tree of depth 2, paths [0], [1], [0, 0], [0, 1] ->
+    (((-1,), (2,)), ((0,), (2,)))."""
+    node_depths = depths(shape.parents)
+    levels = []
+    for d in range(1, shape.depth + 1):
+        counts: dict[int, int] = {}
+        for parent, nd in zip(shape.parents, node_depths):
+            if nd == d:
+                counts[parent] = counts.get(parent, 0) + 1
+        nodes = sorted(counts)
+        levels.append((tuple(nodes), tuple(counts[n] for n in nodes)))
+    return tuple(levels)
+
+
+class Growth:
+    """One sequence's draft, grown a depth at a time: `frontier` holds the nodes whose children the next
+    depth draws (-1: the root), `grow` draws them from the head's logits at those nodes. Static shapes number
+    their nodes in the shape's order (depth, then path); a dynamic tree (EAGLE-2) expands the `beam` nodes of
+    the best path scores (sums of the draft's log-probabilities) with `top_k` children each.
+
+    Example: the default tree of depth 2 draws 2 children of the root (nodes 0, 1), then 2 of node 0 (2, 3):
+    parents [-1, -1, 0, 0]."""
+
+    def __init__(self, seq, head, vocab: int, shape: TreeShape | tuple[DynamicTree, int], labelled: bool) -> None:
+        self.seq, self.head, self.vocab = seq, head, vocab
+        self.dynamic, self.depth_limit = (shape[0], shape[1]) if isinstance(shape, tuple) else (None, shape.depth)
+        self.levels = None if self.dynamic is not None else _levels(shape)
+        self.labelled = labelled  # a chain: label each token with the head's probability of it
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.probs: list[torch.Tensor] = []  # sampling: the distribution each node was drawn from, [vocab]
+        self.sureness: list[float] = []
+        self.scores: list[float] = []  # dynamic: each node's path score
+        self.depth = 0  # depths drawn
+        self.frontier = [-1]
+        self.state: torch.Tensor | None = None  # what its proposer keeps for it (the heads' logits, predictions)
+
+    @property
+    def done(self) -> bool:
+        return self.depth >= self.depth_limit
+
+    def grow(self, logits: torch.Tensor) -> list[int]:
+        """Draw the children of the frontier from the head's logits [len(frontier), vocab_size] at its nodes;
+        returns the new nodes and moves the frontier to the nodes the next depth expands."""
+        counts = self.levels[self.depth][1] if self.levels else [self.dynamic.top_k] * len(self.frontier)
+        new = []
+        for node, lg, n in zip(self.frontier, logits, counts):
+            picked, logp, dist = pick_children(self.seq, self.head, lg, self.vocab, n)
+            if self.labelled:
+                self.sureness.append(float(torch.exp(logp[0])))
+            base = 0.0 if node < 0 else self.scores[node]
+            for t, lp in zip(picked, logp.tolist() if self.dynamic else [0.0] * n):
+                new.append(len(self.tokens))
+                self.tokens.append(t)
+                self.parents.append(node)
+                self.scores.append(base + lp)
+                if dist is not None:
+                    self.probs.append(dist)
+        self.depth += 1
+        if self.done:
+            self.frontier = []
+        elif self.dynamic is not None:
+            self.frontier = sorted(new, key=lambda i: -self.scores[i])[: self.dynamic.beam]
+        else:
+            self.frontier = list(self.levels[self.depth][0])
+        return new
+
+    def draft(self) -> Draft:
+        probs = torch.stack(self.probs) if self.probs else None
+        if self.dynamic is not None:
+            return Draft(self.tokens, probs, self.parents)
+        is_chain = all(p == i - 1 for i, p in enumerate(self.parents))
+        kinds = [_FeatureProposer.kind_of(d, p) for d, p in enumerate(self.sureness)] if self.labelled else None
+        return Draft(self.tokens, probs, None if is_chain else self.parents, kinds)
 
 
 class MedusaProposer(_FeatureProposer):
@@ -174,33 +233,37 @@ class MedusaProposer(_FeatureProposer):
     def observe_hidden(self, seq, hidden: torch.Tensor) -> None:
         seq.draft_state = hidden[-1]
 
-    def draft(self, seqs, ks):
+    def _start(self, seqs, ks):
+        """Every head the drafts use, for every sequence, in one call: `Growth.state` [depth, vocab_size]."""
         limit = self.head.config.num_heads
-        drafts = []
+        growths = []
         for seq, k in zip(seqs, ks):
-            shape = self._shape(min(k, limit))
-            if shape is None or seq.draft_state is None:
-                drafts.append(Draft([]))
-                continue
-            depth = shape[1] if isinstance(shape, tuple) else shape.depth
-            logits = self.head(seq.draft_state, depth)  # [depth, vocab_size]: only the heads the draft uses
-            drafts.append(self._draft(seq, shape, partial(self._head_logits, logits)))
-        return drafts
+            shape = self._shape(min(k, limit)) if seq.draft_state is not None else None
+            growths.append(None if shape is None else Growth(seq, self.head, self.vocab, shape, self.guess_kinds > 0))
+        live = [(seq, g) for seq, g in zip(seqs, growths) if g is not None]
+        if live:
+            states = torch.stack([seq.draft_state for seq, _ in live])  # [B', H]
+            logits = self.head(states, max(g.depth_limit for _, g in live))  # [B', depth, vocab_size]
+            for (_, g), lg in zip(live, logits):
+                g.state = lg
+        return growths
 
-    @staticmethod
-    def _head_logits(logits: torch.Tensor, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """A node at depth d (the root: 0) takes its children from head d: rows of logits [heads, vocab_size]."""
-        node_depths = depths(parents)
-        return logits[[0 if n < 0 else node_depths[n] for n in nodes]]
+    def _frontier_logits(self, growths):
+        """A node at depth d (the root: 0) takes its children from head d."""
+        return torch.cat([g.state[g.depth].expand(len(g.frontier), -1) for g in growths])
 
 
 class EagleProposer(_FeatureProposer):
     """The EAGLE head drafts from features: its cache holds the pairs (target feature of token t, token
     t + 1) of every committed token; the features the target committed since are pending. A proposal
-    feeds the pending pairs (committing them), then grows the tree depth by depth, each depth one pass of
-    the head over all nodes so far with a tree mask (nodes never enter the head's cache)."""
+    feeds the pending pairs of every sequence in one pass (committing them: its last pair's prediction is
+    the draft's root), then grows the drafts depth by depth, each depth one head pass over the nodes whose
+    children the next depth draws, for all sequences, their K/V written past the committed pairs where their
+    descendants read them and the next step's pairs overwrite them (`_deepen`). A chain of K tokens is K
+    head passes (the feed and K - 1 nodes) and K output-layer calls, whatever the batch size."""
 
     kv_shift = 1  # slot s of a row holds the pair (feature of token s, token s + 1)
+    WIDE_FEED = 16  # pairs: a feed wider than this (a prompt) computes only each row's last prediction
 
     def __init__(self, head, vocab_size: int, max_batch_size: int, capacity: int,
                  tree: TreeShape | DynamicTree | None = None, max_depth: int = 8) -> None:
@@ -210,7 +273,7 @@ class EagleProposer(_FeatureProposer):
 
     @property
     def memory_bytes(self) -> int:
-        return super().memory_bytes + self.cache.nbytes
+        return super().memory_bytes + self.cache.nbytes + getattr(self.head.embed, "nbytes", 0)
 
     # a sequence's state (`seq.draft_state`): [m, H], the head's features of target states not yet paired
     def observe_hidden(self, seq, hidden: torch.Tensor) -> None:
@@ -222,19 +285,67 @@ class EagleProposer(_FeatureProposer):
         n = self.cache.lengths[seq.row]
         return n + 1 if n else 0
 
-    def draft(self, seqs, ks):
-        roots = self._feed_pending(seqs)  # [B, H] predicted feature of each sequence's last token
-        drafts = []
-        for b, (seq, k) in enumerate(zip(seqs, ks)):
-            shape = self._shape(k)
-            if shape is None or roots[b] is None:
-                drafts.append(Draft([]))
+    def _start(self, seqs, ks):
+        """Feed the pending pairs; a draft starts at each sequence's root, the predicted feature of its last
+        token: `Growth.state` [1 + nodes, H] holds the root's, then each node's, as they are computed."""
+        roots = self._feed_pending(seqs)  # [H] per sequence, None: no draft
+        growths = []
+        for seq, k, root in zip(seqs, ks, roots):
+            shape = self._shape(k) if root is not None else None
+            g = None if shape is None else Growth(seq, self.head, self.vocab, shape, self.guess_kinds > 0)
+            if g is not None:
+                g.state = root.new_empty(1 + self.max_width(k), root.shape[-1])
+                g.state[0] = root
+            growths.append(g)
+        return growths
+
+    def _frontier_logits(self, growths):
+        """One output-layer call for the frontiers of every sequence."""
+        return self.head.logits(torch.cat([g.state[[n + 1 for n in g.frontier]] for g in growths]))
+
+    def _deepen(self, seqs, growths):
+        """One head pass over the new frontier nodes of every growing draft, all rows together. A node's input
+        is its parent's predicted feature and its own token, at position L - 1 + its depth (its row holding L
+        committed pairs); its K/V go to slot L + node, where its descendants read them (nothing is committed),
+        and it attends the committed pairs, its ancestors and itself in slot order: the keys, in the order,
+        that decoding its path one token at a time would give it. A row with fewer nodes repeats its last one
+        (the same K/V written again); a row with none writes at slot L, which nothing reads this step."""
+        device = self.cache.keys[0].device
+        rows = [(self.cache.lengths[seq.row], g, g.frontier if g is not None else []) for seq, g in zip(seqs, growths)]
+        width = max(len(nodes) for _, _, nodes in rows)
+        S = max(L + (len(g.tokens) if g is not None else 1) for L, g, _ in rows)
+        S = -(-S // KEY_BLOCK) * KEY_BLOCK  # whole key blocks (as `attention_inputs` makes them)
+        B, H = len(seqs), self.head.config.hidden_size
+        feats = torch.zeros(B, width, H, dtype=self.head.dtype, device=device)  # [B, width, H] the parents' predictions
+        mask = torch.zeros(B, width, S, dtype=torch.bool, device=device)  # [B, width, S] the slots each node attends
+        tokens, positions, slots = [], [], []  # [B][width] each
+        for b, (L, g, nodes) in enumerate(rows):
+            if not nodes:
+                tokens.append([0] * width)
+                positions.append([L] * width)
+                slots.append([L] * width)
+                mask[b, :, L] = True
                 continue
-            drafts.append(self._draft(seq, shape, self._logits_fn(seq, roots[b])))
-        return drafts
+            padded = nodes + nodes[-1:] * (width - len(nodes))
+            node_depths = depths(g.parents)
+            feats[b] = g.state[[g.parents[n] + 1 for n in padded]]
+            tokens.append([g.tokens[n] for n in padded])
+            positions.append([L - 1 + node_depths[n] for n in padded])
+            slots.append([L + n for n in padded])
+            mask[b, :, :L] = True
+            mask[b, :, L:L + len(g.tokens)] = ancestor_mask(g.parents)[1:, 1:][padded]
+        as_tensor = partial(torch.tensor, device=device)
+        pred = self.head(feats, as_tensor(tokens), as_tensor(positions), self.cache, mask, as_tensor(slots))  # [B, width, H]
+        for b, (_, g, nodes) in enumerate(rows):
+            if nodes:
+                g.state[[n + 1 for n in nodes]] = pred[b, :len(nodes)]
 
     def _feed_pending(self, seqs) -> list[torch.Tensor | None]:
-        """Feed every row's pending pairs in one pass (right-padded) and commit them."""
+        """Feed every row's pending pairs in one pass (right-padded) and commit them; returns each row's root,
+        the prediction at its last pair (None: none). A feed wider than `WIDE_FEED` pairs (a prompt) predicts
+        at each row's last pair only, the other pairs' K/V written alone (`_feed_wide`)."""
+        if [seq.row for seq in seqs] != list(range(len(seqs))):
+            raise ValueError("EAGLE expects the running sequences in rows 0..B-1")
         device = self.cache.keys[0].device
         pairs = []
         for seq in seqs:
@@ -245,55 +356,52 @@ class EagleProposer(_FeatureProposer):
         width = max(len(t) for _, _, t in pairs)
         if width == 0:
             return [None] * len(seqs)
-        H = self.head.config.hidden_size
-        feats = torch.zeros(len(seqs), width, H, dtype=self.head.dtype, device=device)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        positions = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        for b, (start, f, t) in enumerate(pairs):
-            if t:
-                feats[b, :len(t)] = f
-                tokens[b, :len(t)] = torch.tensor(t)
-                tokens[b, len(t):] = t[-1]
-            positions[b] = torch.arange(start, start + width)
-        rows = [seq.row for seq in seqs]
-        if rows != list(range(len(seqs))):
-            raise ValueError("EAGLE expects the running sequences in rows 0..B-1")
-        if max(start for start, _, _ in pairs) + width <= self.cache.capacity:
-            pred = self.head(feats, tokens, positions, self.cache)  # [B, width, H]
-        else:  # padding a row near the end of its context to the widest would overflow: one pass a row
-            pred = feats.new_zeros(feats.shape)
+        B, H = len(seqs), self.head.config.hidden_size
+        if B == 1:
+            feats = pairs[0][1][None]  # [1, width, H]
+        else:
+            feats = torch.zeros(B, width, H, dtype=self.head.dtype, device=device)
+            for b, (_, f, t) in enumerate(pairs):
+                if t:
+                    feats[b, :len(t)] = f
+        as_tensor = partial(torch.tensor, dtype=torch.long, device=device)
+        tokens = as_tensor([t + t[-1:] * (width - len(t)) if t else [0] * width for _, _, t in pairs])  # [B, width]
+        positions = as_tensor([list(range(start, start + width)) for start, _, _ in pairs])  # [B, width]: their slots
+        last = [max(len(t), 1) - 1 for _, _, t in pairs]  # each row's last pair
+        end = max(start for start, _, _ in pairs) + width
+        if end > self.cache.capacity:
+            # padding a row near the end of its context to the widest would overflow: one pass a row
+            pred = feats.new_zeros(B, H)
             for b, (start, _, t) in enumerate(pairs):
                 if t:
                     view = self.cache.row_view(b)
-                    pred[b, :len(t)] = self.head(feats[b:b + 1, :len(t)], tokens[b:b + 1, :len(t)],
-                                                 positions[b:b + 1, :len(t)], view)[0]
+                    pred[b] = self.head(feats[b:b + 1, :len(t)], tokens[b:b + 1, :len(t)],
+                                        positions[b:b + 1, :len(t)], view)[0, -1]
+        elif width > self.WIDE_FEED:
+            pred = self._feed_wide(feats, tokens, positions, last)
+        else:  # causal: a pair attends its row's slots up to its own
+            mask = torch.arange(-(-end // KEY_BLOCK) * KEY_BLOCK, device=device) <= positions[..., None]  # [B, width, S]
+            pred = self.head(feats, tokens, positions, self.cache, mask, positions)[torch.arange(B), last]  # [B, H]
         roots = []
         for b, (seq, (start, f, t)) in enumerate(zip(seqs, pairs)):
             self.cache.advance(seq.row, len(t))
             seq.draft_state = None
             have_root = self.cache.lengths[seq.row] == len(seq.tokens) - 1 and self.cache.lengths[seq.row] > 0
-            roots.append(pred[b, len(t) - 1] if t and have_root else None)
+            roots.append(pred[b] if t and have_root else None)
         return roots
 
-    def _logits_fn(self, seq, root: torch.Tensor):
-        """logits_of(parent nodes) for `_draft`: reruns the head over the nodes drafted so far."""
-        row, base = seq.row, len(seq.tokens) - 1  # the root's pair sits at position base - 1
-        state = {"pred": None}
-
-        def logits_of(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            if tokens:
-                feats_in = [root if p < 0 else state["pred"][p] for p in parents]
-                view = self.cache.row_view(row)
-                mask = ancestor_mask(parents)[1:, 1:][None]
-                pos = torch.tensor([[base - 1 + d for d in depths(parents)]], device=root.device)
-                state["pred"] = self.head(torch.stack(feats_in)[None], torch.tensor([tokens], device=root.device),
-                                          pos, view, mask=mask)[0]  # [N, H]
-            hidden = torch.stack([root if n < 0 else state["pred"][n] for n in nodes])
-            return self.head.logits(hidden)
-
-        return logits_of
-
-
+    def _feed_wide(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   last: list[int]) -> torch.Tensor:
+        """The predictions [B, H] at pairs `last` of rows feats [B, T, H], tokens and positions [B, T] (pair
+        t of a row in the slot of its position): every pair's K/V written alone (`EagleHead.write_kv`), then
+        one pass of the last pairs, each attending its row's pairs in slot order, as the causal pass does."""
+        B = tokens.shape[0]
+        self.head.write_kv(feats, tokens, positions, self.cache, positions)
+        rows = torch.arange(B, device=tokens.device)
+        at = positions[rows, last][:, None]  # [B, 1]
+        S = -(-(int(at.max()) + 1) // KEY_BLOCK) * KEY_BLOCK
+        mask = (torch.arange(S, device=tokens.device) <= at)[:, None]  # [B, 1, S]
+        return self.head(feats[rows, last][:, None], tokens[rows, last][:, None], at, self.cache, mask, at)[:, 0]
 
 def default_tree(depth: int) -> TreeShape:
     """A small tree for CPUs (each node costs a target row): two guesses at each depth under the
