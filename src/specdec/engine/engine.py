@@ -266,7 +266,8 @@ class Engine:
         prompt delays the running sequences' step by one chunk at most. Once all its prompt tokens but the
         last are in the cache a sequence joins the batch (and decodes in this step), and the next waiting one
         takes the rest of the budget. While sequences run (with `chunk_budget`), the joining one's next tokens
-        are instead returned, to ride in their verification pass (read by `_rode`).
+        are instead returned, to ride in their verification pass (read by `_rode`); prompts that arrive
+        together while none decode are still fed together, and start decoding in the same step.
 
         Example, prefill_chunk 4, prompts of 10 and 3 tokens waiting (9 and 2 to feed): step 1 feeds tokens
         0..3 of the first, step 2 tokens 4..7, step 3 token 8 (the first joins) and tokens 0..1 of the second
@@ -274,6 +275,7 @@ class Engine:
         step 4 instead, and it decodes from step 5.
         """
         budget, prefill = self.prefill_chunk, self.prefill
+        decoding = bool(self.running)  # (those joining in this step have no stream to stall yet)
         while True:
             started = self.scheduler.prefilling is None
             seq = self.scheduler.joining()
@@ -283,7 +285,7 @@ class Engine:
             if started and prefill.caches_prefix(seq) and self._isolated(seq, prefill.restore, seq, batch) is None:
                 self._release(seq)
                 continue
-            if self.running and self.chunk_budget is not None:  # (room: the running rows are padded as wide)
+            if decoding and self.chunk_budget is not None:  # (room: the running rows are padded as wide)
                 room = self.cache.capacity - max(self.cache.lengths[s.row] for s in self.running)
                 rows = prefill.rides(seq, min(budget, room, self.chunk_budget.tokens(len(self.running))))
                 if rows is not None:
