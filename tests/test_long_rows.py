@@ -7,6 +7,8 @@ not fit."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -135,7 +137,9 @@ def test_a_budget_without_room_for_the_models_context_lowers_it_and_says_so():
 def test_long_rows_for_every_proposer_with_prefix_hits(kind):
     """The same mix for every proposer of the prefix-cache tests (Medusa and EAGLE, chain and tree, keep
     their own K/V rows or none), 4 rows sharing 256 slots, prefix blocks of 8: greedy output == plain."""
-    engine = make_engine(kind, chunk=48, blocks=64, batch=4, row_tokens=MAX_LEN)
+    ticks = itertools.count()  # (a clock of steps, not seconds: the riding chunks' sizes, and so which prefix
+    # blocks are still cached when "again" joins, do not follow the machine's load)
+    engine = make_engine(kind, chunk=48, blocks=64, batch=4, row_tokens=MAX_LEN, clock=lambda: float(next(ticks)))
     requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                 for rid, prompt, n, _ in REQUESTS]
     finals = run(engine, requests, join_at=[at for *_, at in REQUESTS])

@@ -166,6 +166,19 @@ def test_store_and_previous_response_id(client, live):
             client.responses.retrieve(response_id)
 
 
+def test_an_empty_answer_is_continued_as_an_empty_turn(client, live):
+    """A stored response whose answer is empty (EOS first) continues: its turn is an empty assistant message,
+    not a missing one (nor a 400 on the rebuilt conversation)."""
+    live.engine.say = ""
+    first = client.responses.create(model=MODEL, input="Say nothing.")
+    assert first.output == []
+    live.engine.say = "Done."
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="Now say done.")
+    assert second.output_text == "Done."
+    assert live.engine.prompts[-1].endswith("Say nothing.<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+                                            "<|im_start|>user\nNow say done.<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_the_store_is_bounded():
     store = ResponseStore(max_responses=2, max_chars=10_000)
     for i in range(3):

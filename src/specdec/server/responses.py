@@ -335,6 +335,8 @@ class ResponseTranslator:
                 reply.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",
                      "function": {"name": item["name"], "arguments": item["arguments"]}})
+        if reply["content"] is None and "tool_calls" not in reply:  # an empty answer (EOS first) stays a turn
+            reply["content"] = ""
         self.store.put(body, self.conversation + [reply])
 
     def response(self, chat: dict[str, Any]) -> dict[str, Any]:
