@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from specdec.config import ModelConfig
 from specdec.kernels import qgemm
+from specdec.models.cpu import use_one_bf16_matmul_kernel
 from specdec.models.kv_cache import KEY_BLOCK, KVCache
 from specdec.models.qlinear import QuantEmbedding, QuantLinear
 from specdec.models.quant import Int8Linear
@@ -376,6 +377,7 @@ def meta_skeleton():
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        use_one_bf16_matmul_kernel()  # a row's bits must not depend on the rows computed with it (models/cpu.py)
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from specdec.config import ModelConfig
 from specdec.kernels.qgemm import quantize_q4_0, quantize_q8_0
+from specdec.models.cpu import cpu_has_native_bf16
 from specdec.models.dequant import dequantize
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.llama import Attention, RMSNorm, Transformer, meta_skeleton, rope_inv_freq
@@ -54,16 +55,6 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     if torch.device(device).type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """The CPU flags (Linux) list native bf16 arithmetic: AVX-512 BF16 or AMX."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # ---- entry points ---------------------------------------------------------------------------------
