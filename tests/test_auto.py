@@ -131,16 +131,43 @@ def test_nothing_is_drafted_where_no_draft_can_pay():
         assert all(c[1] == c[0] for c in out.metrics.drafters.values())  # probes draft one token
 
 
-def test_a_fixed_k_draft_model_drafts_at_every_step_the_trie_does_not_win():
-    """--num-speculative-tokens K fixes K: the user asked for K drafted tokens a step. Where no trie draft is
-    worth more (here none is worth anything), the draft model drafts K at every step, paying or not."""
-    engine = auto_engine("noisy copy", 3, False, costs=RowsCostFull())
+def test_a_fixed_k_draft_model_drafts_k_tokens_where_it_pays_and_nothing_where_no_draft_can():
+    """--num-speculative-tokens K fixes the draft model's K: each of its drafts holds K tokens (fewer only where
+    fewer remain to emit). It drafts where that is worth more than the trie's draft and plain decoding: where no
+    draft can pay (every extra row as dear as a pass) it neither drafts, nor probes, nor reads a prompt."""
+    pays = auto_engine("noisy copy", 3, False)
+    never = auto_engine("noisy copy", 3, False, costs=RowsCostFull())
+    reads = []
+    read = never.proposer.second.prefill
+    never.proposer.second.prefill = lambda seq, start, stop: reads.append(stop - start) or read(seq, start, stop)
     for prompt in PROMPTS:
-        out = generate(engine, prompt, GREEDY)
+        out = generate(pays, prompt, GREEDY)
         assert tuple(out.token_ids) == plain("fp32", prompt)
-        m = out.metrics
-        # (every pass but one where a single token was left to emit: K is bounded by what remains, less one)
-        assert m.num_drafts >= m.target_passes - 1 and set(m.drafters) == {"draft_model"}, m.to_dict()
+        drafts, drafted, _ = out.metrics.drafters["draft_model"]
+        # K = 3 but in the last steps, which may draft only 2, then 1 (a draft leaves a token to emit)
+        assert drafts > 0 and drafted >= 3 * drafts - (1 + 2), out.metrics.to_dict()
+        out = generate(never, prompt, GREEDY)
+        assert tuple(out.token_ids) == plain("fp32", prompt)
+        assert out.metrics.num_drafts == 0 and not out.metrics.drafters, out.metrics.to_dict()
+    assert reads == []
+
+
+def test_the_draft_model_reads_a_prompt_only_where_drafting_repays_the_reading():
+    """Before its costs are measured it reads nothing (it drafts from a short window, and measures); then it
+    reads a joining prompt when drafting at the acceptance measured on read prompts beats plain decoding by
+    more, over the request's max_tokens, than the reading costs."""
+    engine = auto_engine("noisy copy", 3, False)
+    auto = engine.proposer
+    engine.controller.costs = CostModel()
+    assert not auto._reading_pays(1, 100, 64)  # nothing measured
+    costs = CostModel()
+    costs.draft, costs.verify, costs.prefill = {1: 0.2}, {1: 1.0, 8: 1.4}, {"target": 0.05, "draft": 0.02}
+    engine.controller.costs = costs
+    # K = 3 at 0.8: 2.95 tokens per (0.6 + 1.17) = 1.67 per pass-time, saving 0.4 pass-times per token
+    assert auto._reading_pays(1, 100, 64)  # 100 prompt tokens: 2.0 to read, 25.6 saved
+    assert not auto._reading_pays(1, 2000, 64)  # 40 to read
+    costs.draft = {1: 0.8}  # drafting 3 tokens costs 2.4 pass-times: slower than plain, never read
+    assert not auto._reading_pays(1, 10, 10_000)
 
 
 @pytest.mark.parametrize("second", [None, "noisy copy"])

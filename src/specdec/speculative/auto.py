@@ -13,11 +13,15 @@ much context they continue, the heads by depth and how sure they are) and the me
 
 plain decoding being 1 / t_pass(1). The best candidate wins, nothing when plain decoding does; the batch's drafts
 are then cut together to the width that pays (`ByKind.width`). A draft model's tokens are not labelled: its
-value comes from the sequence's measured acceptance rate under the geometric model (Leviathan et al.). With K
-fixed (`--num-speculative-tokens K`: the user asked for K drafted tokens a step) it drafts K at every step
-where the trie's draft is not worth more; adaptive, it drafts the best K up to the configured one where that
-beats both the trie and plain decoding, and is tried again now and then after it has lost (`probe_interval`
-steps, doubling while it keeps losing), so that text on which it starts to agree is noticed.
+value comes from the sequence's measured acceptance rate under the geometric model (Leviathan et al.), its cost
+from its measured forwards plus the tokens it must first catch up on (those of the trie's accepted drafts, at its
+prompt-reading cost). It drafts where that beats both the trie's draft and plain decoding: K tokens with K fixed
+(`--num-speculative-tokens K`), the best K up to the configured one when adaptive; and it is tried again now
+and then after it has lost (`probe_interval` steps, doubling while it keeps losing), so that text on which it
+starts to agree is noticed, where a draft at a high acceptance (`OPTIMISTIC`) could pay at all. A draft model
+too slow beside its target to pay on a machine (a 0.5B draft at 0.66 of a 1.5B pass, each verified row at 0.64
+of one: measured on a 2-core AVX2 EPYC) is then never run, and it reads a joining prompt only where drafting is
+expected to repay the reading (`_reading_pays`).
 
 Exactness is unchanged: each sequence's draft comes whole from one drafter, point masses from the trie and the
 drafter's distribution from a draft model or heads, and is verified as it would be alone.
@@ -53,6 +57,7 @@ class _Row:
     lean: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # its labelled tokens' lean (`KindRates`)
     model: AcceptanceEstimate | None = None  # its draft-model acceptance (a draft model as second drafter)
     idle: int = 0  # steps since the draft model last drafted for it
+    reads: bool | None = None  # whether the draft model reads its prompt (decided at its first prompt chunk)
     probe_every: int = 0  # steps between its probes of the draft model
     tree: tuple[list[int], list[int]] | None = None  # its last draft's branches' kinds, if a two-drafter tree
 
@@ -63,6 +68,9 @@ class AutoProposer(Proposer):
     a maximum with `adaptive`); suffix drafts hold up to the engine's K (the trie's depth). The engine runs it
     with a fixed K (`SpeculationController` asks nothing of it): the choice and the cut are made here, with the
     controller's measured costs (`bind`)."""
+
+    MODEL_PRIOR = 0.8  # a draft model's acceptance rate before it is measured
+    OPTIMISTIC = 0.95  # the rate at which a draft model's draft is judged able to pay at all (probes)
 
     def __init__(self, suffix: SuffixProposer, second: Proposer | None = None, k: int = 0, adaptive: bool = True,
                  second_name: str | None = None, probe_interval: int = 16, max_probe_interval: int = 256,
@@ -81,6 +89,7 @@ class AutoProposer(Proposer):
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self._costs = CostModel()  # until then
         self._rows: dict[str, _Row] = {}
+        self._read_rate = AcceptanceEstimate.with_prior(self.MODEL_PRIOR)  # the draft's, on prompts it read
         if second is not None:  # what the engine asks of a drafter is the second one's: the trie needs nothing
             self.restart_tokens = second.restart_tokens
             self.cache = second.cache
@@ -113,7 +122,7 @@ class AutoProposer(Proposer):
         if row is None or row.seq is not seq:
             row = self._rows[seq.request_id] = _Row(seq, probe_every=self.probe_interval)
             if self.drafts_with_model:
-                row.model = AcceptanceEstimate.with_prior(0.8)
+                row.model = AcceptanceEstimate.with_prior(self.MODEL_PRIOR)
         return row
 
     # ------------------------------------------------------------------------------------------- valuing
@@ -139,23 +148,42 @@ class AutoProposer(Proposer):
             best = max(best, (1.0 + e) / self._pass(w + 1))
         return best
 
-    def _model_choice(self, row: _Row, limit: int, batch: int) -> tuple[int, float]:
-        """(K, tokens per second) of the draft model for this sequence: K fixed (the configured one, within
-        `limit`), or the best up to it. Before its drafting is measured at this batch size its value is
-        infinite: it runs, and is measured."""
+    def _model_choice(self, rate: float, limit: int, batch: int, behind: int = 0) -> tuple[int, float]:
+        """(K, tokens per second) of the draft model at acceptance `rate`: K fixed (the configured one, within
+        `limit`), or the best up to it; `behind`: the tokens it must read first beyond the usual two (a
+        catch-up after the trie's accepted drafts, or a restart), at its prompt-reading cost. Before its
+        drafting is measured at this batch size its value is infinite: it runs, and is measured."""
         t_draft, base = self.costs.draft_time(batch), self._pass(1)
-        a = row.model.rate
         ks = range(1, limit + 1) if self.adaptive else [limit]
         if limit <= 0:
             return 0, 0.0
         if t_draft is None or base is None:
             return max(ks), float("inf")
+        catch_up = (self.costs.draft_prefill_time(behind) or 0.0) if behind > 0 else 0.0
         best_k, best = 0, 0.0
         for k in ks:
-            value = expected_tokens(a, k) / (k * t_draft + self._pass(k + 1))
+            value = expected_tokens(rate, k) / (catch_up + k * t_draft + self._pass(k + 1))
             if value > best:
                 best_k, best = k, value
         return best_k, best
+
+    def _reading_pays(self, batch: int, prompt_tokens: int, output_tokens: int) -> bool:
+        """Whether the draft model should read a joining prompt: if drafting at the acceptance measured on read
+        prompts beats plain decoding by more, over `output_tokens`, than the reading costs. Not before its
+        costs are measured: unread, it drafts from a restart on a short window (`DraftModelProposer.window`),
+        which measures them at the cost of a short read, where reading a 200-token prompt first took a third of
+        the first request's time on a 2-core AVX2 machine on which the draft never pays."""
+        base, reading = self._pass(1), self.costs.draft_prefill_time(prompt_tokens)
+        _, value = self._model_choice(self._read_rate.rate, self.k, batch)
+        if base is None or reading is None or value == float("inf"):
+            return False
+        return value > 1.0 / base and output_tokens * (base - 1.0 / value) > reading
+
+    def _model_reads(self, seq, start: int, batch) -> bool:
+        row = self._row(seq)
+        if row.reads is None:
+            row.reads = self._reading_pays(batch.batch_size, len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
+        return row.reads
 
     # ------------------------------------------------------------------------------------------- drafting
     def propose(self, seqs, ks) -> Proposal:
@@ -221,21 +249,18 @@ class AutoProposer(Proposer):
                      source=f"suffix+{self.second_name}")
 
     def _with_model(self, seqs, ks, rows: list[_Row], drafts: list[Draft], values: list[float]):
-        """The draft model drafts for the sequences where it is worth more than the trie's draft (and probes
-        where it has been idle long enough); one batched run for all of them."""
+        """The draft model drafts for the sequences where it is worth more than the trie's draft and plain
+        decoding (`values` are at least plain's), and probes where it has been idle long enough and could pay
+        at all; one batched run for all of them."""
         model_ks = []
-        plain = self._pass(1)
-        for seq, k, row, d, value in zip(seqs, ks, rows, drafts, values):
-            k_model, model_value = self._model_choice(row, min(k, self.k), len(seqs))
-            probe = row.idle >= row.probe_every
-            if not self.adaptive:  # K fixed by the user: the draft model drafts unless the trie's draft is worth more
-                trie_wins = bool(d.tokens) and value > model_value and (plain is None or value > 1.0 / plain)
-                model_ks.append(0 if trie_wins else k_model)
-                continue
+        for seq, k, row, value in zip(seqs, ks, rows, values):
+            limit, behind = min(k, self.k), max(0, self.second.behind(seq) - 2)
+            k_model, model_value = self._model_choice(row.model.rate, limit, len(seqs), behind)
+            probe = row.idle >= row.probe_every and self._model_choice(self.OPTIMISTIC, limit, len(seqs), behind)[1] > value
             use = k_model > 0 and (model_value > value or probe)
             if use and probe and not model_value > value:
                 row.probe_every = min(2 * row.probe_every, self.max_probe_interval)
-                k_model = 1
+                k_model = 1 if self.adaptive else k_model
             elif use:
                 row.probe_every = self.probe_interval
             model_ks.append(k_model if use else 0)
@@ -254,14 +279,16 @@ class AutoProposer(Proposer):
 
     def read_prompt(self, chunk: PromptChunk) -> None:
         self.suffix.read_prompt(chunk)
-        if self.second is not None:
+        if self.second is not None and (not self.drafts_with_model or self._model_reads(chunk.seq, chunk.start, chunk.batch)):
             self.second.read_prompt(chunk)
 
     def usable_prefix(self, prefix, chain: list) -> int:
         return self.second.usable_prefix(prefix, chain) if self.second is not None else len(chain)
 
     def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
-        return self.second.restore_prefix(seq, prefix, chain, cached, batch) if self.second is not None else cached
+        if self.second is None or (self.drafts_with_model and not self._model_reads(seq, 0, batch)):
+            return cached
+        return self.second.restore_prefix(seq, prefix, chain, cached, batch)
 
     def observe(self, seqs, drafts, verdicts, hidden=None) -> None:
         self.suffix.observe(seqs, drafts, verdicts)
@@ -282,6 +309,8 @@ class AutoProposer(Proposer):
                 self.policy.rates.learn(draft.kinds, verdict.num_accepted, row.lean)
             elif row.model is not None:
                 row.model.update(len(draft.tokens), verdict.num_accepted, 0.9)
+                if row.reads:
+                    self._read_rate.update(len(draft.tokens), verdict.num_accepted, 0.9)
 
     def release(self, seq) -> None:
         self.suffix.release(seq)

@@ -259,6 +259,11 @@ class DraftModelProposer(Proposer):
         """Tokens of `seq` that the draft has seen (or skipped)."""
         return self.state(seq).skipped + self.cache.lengths[seq.row]
 
+    def behind(self, seq) -> int:
+        """Tokens of `seq` its next proposal feeds before drafting (1 or 2 while it keeps drafting; at most
+        `window` + 1: a row further behind restarts on a window)."""
+        return min(len(seq.tokens) - self._consumed(seq), self.window + 1)
+
     def cached_tokens(self, seq) -> int:
         """Leading tokens of `seq` whose K/V the draft cache holds (none after a restart)."""
         return 0 if self.state(seq).skipped else self.cache.lengths[seq.row]
