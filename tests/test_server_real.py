@@ -32,11 +32,13 @@ N = 16  # max_tokens of the comparisons
 
 
 def serve_command(port: int) -> list[str]:
-    """The seed's own command (vLLM's flags) on the default pair, with K fixed at 5 so that every step drafts:
-    the exactness checks then exercise the speculative path throughout (adaptive K may switch drafting off
-    on a slow CPU)."""
+    """The seed's own command (vLLM's flags) on the default pair, with K fixed at 5 and the draft model alone
+    (`"suffix": false`), so that every step drafts: the exactness checks then exercise the speculative path
+    throughout. (The seed's command as typed drafts with its model only where that pays, beside suffix drafts:
+    on a slow CPU, never; adaptive K likewise.)"""
     return [sys.executable, "-m", "specdec", "serve", TARGET, "--speculative-model", "qwen2.5-coder-0.5b-instruct",
-            "--num-speculative-tokens", "5", "--gpu-memory-utilization", "0.95", "--port", str(port)]
+            "--num-speculative-tokens", "5", "--speculative-config", '{"suffix": false}',
+            "--gpu-memory-utilization", "0.95", "--port", str(port)]
 
 
 def free_port() -> int:
