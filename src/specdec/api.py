@@ -85,8 +85,9 @@ def build_speculative_config(
     No flags: auto speculation (`{"method": "auto"}`: suffix drafts, and the heads shipped for the target
     where there are some); `--num-speculative-tokens 0` alone: none. `--speculative-model D` alone drafts
     adaptively with up to 5 tokens, beside suffix drafts; adding `--num-speculative-tokens K` fixes its K (as in
-    vLLM: each of its drafts holds K tokens; it drafts where that pays); `{"adaptive": true}` in the config makes K a maximum. `{"method": "suffix"}` drafts adaptively with
-    up to `suffix_decoding_max_tree_depth` tokens (24).
+    vLLM: each of its drafts holds K tokens; it drafts where that pays); `{"adaptive": true}` in the config
+    makes K a maximum. `{"method": "suffix"}` drafts adaptively with up to `suffix_decoding_max_tree_depth`
+    tokens (24).
     """
     if isinstance(speculative_config, str):
         speculative_config = parse_speculative_config(speculative_config)

@@ -6,16 +6,14 @@ import logging
 
 import torch
 
+from specdec.kernels.native import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 
 def cpu_has_native_bf16() -> bool:
     """The CPU flags (Linux) list native bf16 arithmetic: AVX-512 BF16 or AMX."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -19,8 +19,8 @@ prompt-reading cost). It drafts where that beats both the trie's draft and plain
 (`--num-speculative-tokens K`), the best K up to the configured one when adaptive; and it is tried again now
 and then after it has lost (`probe_interval` steps, doubling while it keeps losing), so that text on which it
 starts to agree is noticed, where a draft at a high acceptance (`OPTIMISTIC`) could pay at all. A draft model
-too slow beside its target to pay on a machine (a 0.5B draft at 0.66 of a 1.5B pass, each verified row at 0.64
-of one: measured on a 2-core AVX2 EPYC) is then never run, and it reads a joining prompt only where drafting is
+too slow beside its target to pay on a machine (a 0.5B draft at 0.66 of a 1.5B pass, each verified row at
+0.5-0.64 of one: measured on a 2-core AVX2 EPYC) is then never run, and it reads a joining prompt only where drafting is
 expected to repay the reading (`_reading_pays`).
 
 Exactness is unchanged: each sequence's draft comes whole from one drafter, point masses from the trie and the
@@ -256,7 +256,8 @@ class AutoProposer(Proposer):
         for seq, k, row, value in zip(seqs, ks, rows, values):
             limit, behind = min(k, self.k), max(0, self.second.behind(seq) - 2)
             k_model, model_value = self._model_choice(row.model.rate, limit, len(seqs), behind)
-            probe = row.idle >= row.probe_every and self._model_choice(self.OPTIMISTIC, limit, len(seqs), behind)[1] > value
+            probe = row.idle >= row.probe_every and \
+                self._model_choice(self.OPTIMISTIC, limit, len(seqs), behind)[1] > value
             use = k_model > 0 and (model_value > value or probe)
             if use and probe and not model_value > value:
                 row.probe_every = min(2 * row.probe_every, self.max_probe_interval)
@@ -279,7 +280,9 @@ class AutoProposer(Proposer):
 
     def read_prompt(self, chunk: PromptChunk) -> None:
         self.suffix.read_prompt(chunk)
-        if self.second is not None and (not self.drafts_with_model or self._model_reads(chunk.seq, chunk.start, chunk.batch)):
+        if self.second is None:
+            return
+        if not self.drafts_with_model or self._model_reads(chunk.seq, chunk.start, chunk.batch):
             self.second.read_prompt(chunk)
 
     def usable_prefix(self, prefix, chain: list) -> int:
