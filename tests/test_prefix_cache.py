@@ -72,9 +72,11 @@ def cold(kind: str, chunk: int, prompt, p: SamplingParams) -> list[int]:
     return run(make_engine(kind, chunk), [("cold", prompt, p)])["cold"].token_ids
 
 
-def cached(blocks: int, kind: str) -> int:
-    """Prompt tokens a hit of `blocks` blocks spares: proposers on the target's features recompute the last."""
-    return blocks * BLOCK - (kind in HEADS and blocks > 0)
+def cached(blocks: int, kind: str, tail: int = 0) -> int:
+    """Prompt tokens a hit of `blocks` whole blocks and a `tail` spares: EAGLE takes no tails (they hold no
+    pairs of its own), and proposers on the target's features recompute the last token."""
+    tokens = blocks * BLOCK + (tail if kind not in ("eagle", "eagle tree") else 0)
+    return tokens - (kind in HEADS and tokens > 0)
 
 
 # ------------------------------------------------------------------------------------------- exactness
@@ -82,25 +84,26 @@ def cached(blocks: int, kind: str) -> int:
 @pytest.mark.parametrize("chunk", [3, 64])
 @pytest.mark.parametrize("kind", KINDS)
 def test_hits_give_the_outputs_of_an_engine_without_a_cache(kind, chunk, sampled):
-    """A 37-token prompt, then: the same prompt (4 blocks cached), the next turn of that conversation (its
-    first 52 tokens cached by the first request: 6 blocks, through its output), a prompt sharing 21 tokens
-    with the first (a hit ending mid-block: 2 blocks) and one sharing nothing; the last three together in a
-    batch of two (a hit restores its row while another sequence decodes, and rows move as they leave)."""
+    """A 37-token prompt, then: the same prompt (its first 36 tokens cached when the first request's prompt
+    was in: 4 blocks and a tail of 4), the next turn of that conversation (its first 52 tokens cached by the
+    first request through its output: 6 blocks and a tail of 4), a prompt sharing 21 tokens with the first (a
+    hit ending mid-block: 2 blocks, no tail) and one sharing nothing; the last three together in a batch of
+    two (a hit restores its row while another sequence decodes, and rows move as they leave)."""
     engine = make_engine(kind, chunk, blocks=64)
     first = run(engine, [("first", A, params(sampled, 1))])["first"]
     again = run(engine, [("again", A, params(sampled, 2))])["again"]
     requests = {
-        "again": (A, params(sampled, 2), 4),
-        "next turn": (A + tuple(first.token_ids) + (5, 6, 7), params(sampled, 3), 6),
-        "mid-block": (A[:21] + OTHER[:10], params(sampled, 4), 2),
-        "other": (OTHER, params(sampled, 5), 0),
+        "again": (A, params(sampled, 2), (4, 4)),
+        "next turn": (A + tuple(first.token_ids) + (5, 6, 7), params(sampled, 3), (6, 4)),
+        "mid-block": (A[:21] + OTHER[:10], params(sampled, 4), (2, 0)),
+        "other": (OTHER, params(sampled, 5), (0, 0)),
     }
     outs = {"again": again, **run(engine, [(rid, *requests[rid][:2]) for rid in ("next turn", "mid-block", "other")])}
     assert first.metrics.cached_tokens == 0 and first.token_ids == cold(kind, chunk, A, params(sampled, 1))
-    for rid, (prompt, p, blocks) in requests.items():
-        assert outs[rid].metrics.cached_tokens == cached(blocks, kind), rid
+    for rid, (prompt, p, (blocks, tail)) in requests.items():
+        assert outs[rid].metrics.cached_tokens == cached(blocks, kind, tail), rid
         assert outs[rid].token_ids == cold(kind, chunk, prompt, p), rid
-    assert engine.metrics.cached_tokens == sum(cached(blocks, kind) for *_, blocks in requests.values())
+    assert engine.metrics.cached_tokens == sum(cached(hit[0], kind, hit[1]) for *_, hit in requests.values())
 
 
 @pytest.mark.parametrize("kind", ["plain", "draft model", "eagle"])
@@ -121,9 +124,9 @@ def test_eviction_under_memory_pressure_takes_the_least_recently_used_tails_firs
 
 
 def test_a_draft_model_holding_fewer_blocks_reads_the_rest_itself():
-    """The target's 4 blocks of A are cached but the draft's first only (as when its row had restarted on a
-    window): a hit restores the 4 and the draft reads tokens 8..31 itself, then the prompt's rest with the
-    target's chunk; seeded sampling gives the cold output."""
+    """The target's 4 blocks of A and its tail of 4 are cached but the draft's first block only (as when its
+    row had restarted on a window): a hit restores the target's 36 tokens and the draft reads tokens 8..35
+    itself, then the prompt's rest with the target's chunk; seeded sampling gives the cold output."""
     engine = make_engine("draft model", blocks=64)
     run(engine, [("first", A, params(True, 1))])
     pc = engine.prefix_cache
@@ -134,8 +137,8 @@ def test_a_draft_model_holding_fewer_blocks_reads_the_rest_itself():
         out = run(engine, [("again", A, params(True, 2))])["again"]
     finally:
         engine.proposer.model.forward = original
-    assert fed[:2] == [24, 4]
-    assert out.metrics.cached_tokens == 32 and out.token_ids == cold("draft model", 64, A, params(True, 2))
+    assert fed[:2] == [28, 1]
+    assert out.metrics.cached_tokens == 36 and out.token_ids == cold("draft model", 64, A, params(True, 2))
 
 
 def test_eagle_pairs_bound_the_hit():
@@ -166,7 +169,7 @@ def test_a_draft_that_skips_the_prompt_is_restored_nothing():
         return outs | run(engine, [("later", later, params(True, 4))])
 
     hit, without = session(64), session(0)
-    assert hit["again"].metrics.cached_tokens == 32 and hit["again"].metrics.num_drafts > 0
+    assert hit["again"].metrics.cached_tokens == 36 and hit["again"].metrics.num_drafts > 0  # 4 blocks, a tail of 4
     assert hit["later"].metrics.cached_tokens == 80
     assert {r: o.token_ids for r, o in hit.items()} == {r: o.token_ids for r, o in without.items()}
 
@@ -174,7 +177,7 @@ def test_a_draft_that_skips_the_prompt_is_restored_nothing():
 def test_a_prompt_is_shared_once_prefilled_while_its_request_runs():
     engine = make_engine("plain", blocks=64)
     outs = run(engine, [("a", A, params(False)), ("b", A, params(False))])
-    assert [outs[r].metrics.cached_tokens for r in "ab"] == [0, 32] and outs["a"].token_ids == outs["b"].token_ids
+    assert [outs[r].metrics.cached_tokens for r in "ab"] == [0, 36] and outs["a"].token_ids == outs["b"].token_ids
 
 
 def test_a_cache_salt_shares_prefixes_only_with_the_same_salt():
@@ -186,7 +189,7 @@ def test_a_cache_salt_shares_prefixes_only_with_the_same_salt():
         engine.add_request("r", list(A), p, cache_salt=salt)
         while engine.has_unfinished_requests():
             outs += [out for out in engine.step() if out.finished]
-    assert [o.metrics.cached_tokens for o in outs] == [0, 0, 32, 0, 32]
+    assert [o.metrics.cached_tokens for o in outs] == [0, 0, 36, 0, 36]
     assert all(o.token_ids == outs[0].token_ids for o in outs)
 
 
@@ -200,7 +203,7 @@ def test_isolation_by_salt_gives_unsalted_requests_no_cache_at_all():
         engine.add_request("r", list(A), p, cache_salt=salt)
         while engine.has_unfinished_requests():
             outs += [out for out in engine.step() if out.finished]
-    assert [o.metrics.cached_tokens for o in outs] == [0, 0, 0, 32, 0]
+    assert [o.metrics.cached_tokens for o in outs] == [0, 0, 0, 36, 0]
     assert all(o.token_ids == outs[0].token_ids for o in outs)
     with pytest.raises(ValueError, match="prefix_isolation"):
         make_engine("plain", blocks=64, prefix_isolation="per-key")
@@ -215,7 +218,7 @@ def test_a_request_for_prompt_logprobs_prefills_its_whole_prompt():
     run(engine, [("first", A, params(False))])
     outs = run(engine, [("logprobs", A, p)]) | run(engine, [("after", A, params(False))])
     reference = run(make_engine("draft model"), [("cold", A, p)])["cold"]
-    assert outs["logprobs"].metrics.cached_tokens == 0 and outs["after"].metrics.cached_tokens == 32
+    assert outs["logprobs"].metrics.cached_tokens == 0 and outs["after"].metrics.cached_tokens == 36
     assert outs["logprobs"].prompt_logprobs == reference.prompt_logprobs
     assert outs["logprobs"].logprobs == reference.logprobs and outs["logprobs"].token_ids == reference.token_ids
 
@@ -266,6 +269,38 @@ def test_saved_blocks_load_back_the_slots_they_were_copied_from(shift):
     assert pc.load("x", pc.lookup(keys), dst, 0, shift) == 24 - shift == dst.lengths[0]
     for a, b in zip(src.keys + src.values, dst.keys + dst.values):
         assert torch.equal(b[0, :, :24 - shift], a[1, :, :24 - shift])
+
+
+def test_a_tail_is_found_only_whole_and_loads_back_its_slots():
+    """Row 1's first 21 slots saved: 2 blocks of 8 and a tail of 5. A prompt whose next tokens after the 2
+    blocks are the tail's 5 and more finds it (21 slots load back, the same bits); one that differs in the
+    tail's 3rd token, or that has only 3 of its tokens, finds no tail (never a part of one: a match token by
+    token would let a client read another's prompt one token per guess); after another block, no tail."""
+    config = target("fp32").config
+    src, dst = KVCache(config, 2, 64, torch.float32), KVCache(config, 1, 64, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for t in src.keys + src.values:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    pc = PrefixCache({"x": src}, num_blocks=4, block_size=8)
+    tokens = list(range(40, 61))  # 21
+    keys = pc.keys(tokens, tail=True)
+    assert len(keys) == 3 and keys[:2] == block_keys(tokens, 8) and pc.keys(tokens[:16], tail=True) == keys[:2]
+    pc.save("x", keys, src, 1, tail=5)
+    assert len(pc.lookup(keys)) == 2  # a tail's key never extends a chain of whole blocks
+    tail = pc.tail("x", keys[:2], tokens[16:] + [7, 7])
+    assert tail is not None and tail.size == 5
+    assert list(pc.blocks)[-3:] == [keys[2], keys[1], keys[0]]  # touched as the chain's deepest block
+    assert pc.tail("x", keys[:2], tokens[16:18] + [0] + tokens[19:]) is None
+    assert pc.tail("x", keys[:2], tokens[16:19]) is None and pc.tail("x", keys[:1], tokens[8:]) is None
+    assert pc.tail("y", keys[:2], tokens[16:]) is None  # (a cache it does not hold)
+    assert pc.load("x", pc.lookup(keys), dst, 0, tail=tail) == 21 == dst.lengths[0]
+    for a, b in zip(src.keys + src.values, dst.keys + dst.values):
+        assert torch.equal(b[0, :, :21], a[1, :, :21])
+    short = [9, 8, 7]  # a sequence shorter than a block: a tail after no block, salted apart
+    pc.save("x", pc.keys(short, "s", tail=True), src, 0, tail=3)
+    assert pc.tail("x", [], short + [1]) is None
+    assert pc.load("x", [], dst, 0, tail=pc.tail("x", [], short + [1], "s")) == 3
+    assert torch.equal(dst.keys[0][0, :, :3], src.keys[0][0, :, :3])
 
 
 def test_the_memory_plan_gives_the_prefix_cache_what_the_sequences_leave():

@@ -318,8 +318,8 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- leaving
     def _release(self, seq: Sequence) -> None:
-        """Take `seq` (running or being prefilled) out of the batch: its whole blocks saved to the prefix cache
-        (unless it failed: its row may be half-written), its rows freed, its metrics added up."""
+        """Take `seq` (running or being prefilled) out of the batch: its whole blocks and tail saved to the prefix
+        cache (unless it failed: its row may be half-written), its rows freed, its metrics added up."""
         if self.prefill.caches_prefix(seq) and seq.error is None:
             self.prefill.save(seq)
         self.scheduler.remove(seq)

@@ -1,5 +1,5 @@
 """Joining the batch: a sequence's prompt fed to the target chunk by chunk, or started from the longest
-cached prefix of it (`specdec.engine.prefix_cache`), and its whole blocks saved for later ones.
+cached prefix of it (`specdec.engine.prefix_cache`), and its whole blocks and tail saved for later ones.
 
 The proposer is told of each chunk (`Proposer.read_prompt`: its hidden states, for proposers on the target's
 features; a draft model reads the chunk itself where that pays) and of each prefix restored or saved (its own
@@ -77,33 +77,42 @@ class Prefill:
         return self.prefix_cache is not None and (self.isolation == "shared" or seq.cache_salt is not None)
 
     def restore(self, seq, batch: Joining) -> int:
-        """Start `seq` from the longest cached prefix of its prompt but the last token, in whole blocks (as far
-        as the proposer can start from them): the target's K/V are copied into its row, and the proposer takes
-        its part (a draft model's K/V, or the target recomputes the prefix's last token for proposers on its
-        features). Returns how many prompt tokens it skips. A request with `prompt_logprobs` is never started
-        from the cache: its prompt's logits are wanted (vLLM does the same).
+        """Start `seq` from the longest cached prefix of its prompt but the last token: whole blocks (as far as
+        the proposer can start from them), then a tail whose tokens all match, if the proposer takes tails. The
+        target's K/V are copied into its row, and the proposer takes its part (a draft model's K/V, or the
+        target recomputes the prefix's last token for proposers on its features). Returns how many prompt tokens
+        it skips. A request with `prompt_logprobs` is never started from the cache: its prompt's logits are
+        wanted (vLLM does the same).
 
-        Example, block size 16, a 40-token prompt of which 32 are cached: plain decoding and draft models
-        prefill tokens 32..38; Medusa and EAGLE prefill tokens 31..38.
+        Example, block size 16, a 40-token prompt of which 32 are cached in blocks and a tail of 5 more: plain
+        decoding and draft models prefill tokens 37..38 (a draft model reads 32..36 itself); Medusa 36..38.
         """
         if seq.prompt_logprobs is not None:
             return 0
-        pc, row = self.prefix_cache, seq.row
-        chain = pc.lookup(pc.keys(seq.prompt_ids[:-1], seq.cache_salt))
-        chain = chain[:self.proposer.usable_prefix(pc, chain)]
-        if not chain:
+        pc, row, tokens = self.prefix_cache, seq.row, seq.prompt_ids[:-1]
+        keys = pc.keys(tokens, seq.cache_salt)
+        found = pc.lookup(keys)
+        chain = found[:self.proposer.usable_prefix(pc, found)]
+        tail = None
+        if len(chain) == len(found) and self.proposer.usable_tail:
+            tail = pc.tail("target", keys[:len(chain)], tokens[len(chain) * pc.block_size:], seq.cache_salt)
+        if not chain and tail is None:
             return 0
-        cached = self.proposer.restore_prefix(seq, pc, chain, pc.load("target", chain, self.cache, row), batch)
+        restored = pc.load("target", chain, self.cache, row, tail=tail)
+        cached = self.proposer.restore_prefix(seq, pc, chain, restored, batch)
         self.cache.truncate(row, cached)
         seq.metrics.cached_tokens = cached
         return cached
 
     def save(self, seq) -> None:
-        """Save the whole blocks of `seq` that its row holds: the target's, and the proposer's as far as they go."""
+        """Save the tokens of `seq` that its row holds: the target's whole blocks and tail, and the proposer's
+        whole blocks as far as they go."""
         pc, row = self.prefix_cache, seq.row
-        keys = pc.keys(seq.tokens[:self.cache.lengths[row]], seq.cache_salt)  # (it may hold tokens past a stop)
-        pc.save("target", keys, self.cache, row)
-        self.proposer.save_prefix(seq, pc, keys)
+        tokens = seq.tokens[:self.cache.lengths[row]]  # (it may hold tokens past a stop)
+        keys = pc.keys(tokens, seq.cache_salt, tail=True)
+        whole = len(tokens) // pc.block_size
+        pc.save("target", keys, self.cache, row, tail=len(tokens) - whole * pc.block_size)
+        self.proposer.save_prefix(seq, pc, keys[:whole])
 
 
 class ChunkBudget:

@@ -8,6 +8,16 @@ cache into a pool preallocated for `num_blocks` blocks; restoring copies a chain
 The models' kernels give a token's K/V the same bits whatever pass computed it, so a restored prefix is
 exactly what prefilling it would have written.
 
+A sequence's last tokens past its whole blocks (fewer than `block_size`) are kept too, as a *tail*: a block
+keyed by the chain hash of the whole blocks before it and of its own tokens (a shorter input than a whole
+block's, so never equal to one), holding only that many slots. A lookup takes, after the longest chain of
+whole blocks, the longest tail cached there whose tokens all match the prompt's next ones, so a prompt sent
+again, or a conversation's next turn (the previous turn's prompt and answer, then new text), restores all
+but the tokens it must compute, as llama.cpp's per-slot cache does, instead of up to a block less. A tail
+matches whole or not at all, so a guess at another request's tokens is confirmed a whole tail at a time, as
+a whole block is (a match token by token would let an unsalted client read another's prompt one token per
+guess).
+
 When the pool is full, saving evicts the least recently used block. Lookups and saves touch a chain from its
 last block to its first, so a chain loses its deepest blocks first and never a block its kept ones extend.
 
@@ -18,6 +28,8 @@ for EAGLE's (its slot s pairs the feature of token s with token s + 1). Block i 
 Example (block_size 4): a finished sequence [5 6 7 8 9 1 2 3 4 0] whose target cache holds its first 9
 tokens is saved as 2 blocks (tokens 0..7). A prompt [5 6 7 8 9 1 2 3 7 7] then finds both blocks (its
 first 9 tokens: 2 whole blocks, both cached): 8 slots are copied into its row and it prefills from token 8.
+With tails, the first sequence's 9th token was kept as a tail too (key: block 1's key and token [9]), so the
+prompt restores 9 slots and prefills from token 9.
 """
 
 from __future__ import annotations
@@ -38,6 +50,17 @@ BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 class Block:
     id: int  # index in the pools
     caches: set[str] = field(default_factory=set)  # the names of the caches saved into it
+    size: int = 0  # the tokens it holds: block_size, or fewer for a tail
+
+
+def root_key(salt: str | None) -> bytes:
+    """What the first block's key extends: nothing, or the salt's hash."""
+    return b"" if salt is None else hashlib.sha256(b"salt" + salt.encode()).digest()
+
+
+def next_key(key: bytes, tokens) -> bytes:
+    """The key of a block (or tail) holding `tokens` after the block keyed `key`."""
+    return hashlib.sha256(key + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
 def block_keys(tokens: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
@@ -46,10 +69,10 @@ def block_keys(tokens: list[int], block_size: int, salt: str | None = None) -> l
     Example: block_keys([1, 2, 3, 4, 5], 2) has 2 keys: sha256(tokens 1 2), then sha256(that + tokens 3 4).
     """
     ids = np.asarray(tokens, dtype=np.int64)
-    key = b"" if salt is None else hashlib.sha256(b"salt" + salt.encode()).digest()
+    key = root_key(salt)
     keys = []
     for start in range(0, len(ids) - block_size + 1, block_size):
-        key = hashlib.sha256(key + ids[start:start + block_size].tobytes()).digest()
+        key = next_key(key, ids[start:start + block_size])
         keys.append(key)
     return keys
 
@@ -73,36 +96,57 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.pools.values())
 
-    def keys(self, tokens: list[int], salt: str | None = None) -> list[bytes]:
-        return block_keys(tokens, self.block_size, salt)
+    def keys(self, tokens: list[int], salt: str | None = None, tail: bool = False) -> list[bytes]:
+        """The keys of the whole blocks of `tokens`, and with `tail` that of the tokens past them, if any."""
+        keys = block_keys(tokens, self.block_size, salt)
+        rest = len(tokens) - len(keys) * self.block_size
+        if tail and rest:
+            keys.append(next_key(keys[-1] if keys else root_key(salt), tokens[-rest:]))
+        return keys
 
     def lookup(self, keys: list[bytes]) -> list[Block]:
         """The cached blocks of the longest chain of `keys` from the first (touched: most recently used)."""
         chain = []
         for key in keys:
             block = self.blocks.get(key)
-            if block is None:
+            if block is None or block.size < self.block_size:
                 break
             chain.append(block)
         self._touch(keys[:len(chain)])
         return chain
+
+    def tail(self, name: str, keys: list[bytes], tokens: list[int], salt: str | None = None) -> Block | None:
+        """The longest tail holding cache `name` cached after the chain of whole blocks `keys` (as `lookup` found
+        it; salted with `salt`) whose tokens are all the first of `tokens`, or None. Found, it is touched with
+        the chain, as its deepest block.
+
+        Example (block size 4), after block [1 2 3 4], tokens [5 6 7]: tails [5 6 7], [5 6], then [5]."""
+        after = keys[-1] if keys else root_key(salt)
+        ids = np.asarray(tokens[:self.block_size - 1], dtype=np.int64)
+        for n in range(len(ids), 0, -1):
+            key = next_key(after, ids[:n])
+            block = self.blocks.get(key)
+            if block is not None and name in block.caches:
+                self._touch(keys + [key])
+                return block
+        return None
 
     @staticmethod
     def held(name: str, chain: list[Block]) -> int:
         """How many blocks from the first of `chain` hold cache `name`."""
         return next((i for i, block in enumerate(chain) if name not in block.caches), len(chain))
 
-    def save(self, name: str, keys: list[bytes], cache: KVCache, row: int, shift: int = 0) -> None:
+    def save(self, name: str, keys: list[bytes], cache: KVCache, row: int, shift: int = 0, tail: int = 0) -> None:
         """Copy `row` of `cache` into the blocks `keys` (a chain from block 0) that do not hold `name` yet,
         adding missing blocks (evicting the least recently used ones, never one of this chain's: the chain is
-        cut there instead)."""
+        cut there instead). With `tail` > 0 the last key is a tail's, of that many tokens (`keys(..., tail=True)`)."""
         B = self.block_size
         chain: list[Block] = []
         in_chain: set[int] = set()
-        for key in keys:
+        for i, key in enumerate(keys):
             block = self.blocks.get(key)
             if block is None:
-                block = self._allocate(key, in_chain)
+                block = self._allocate(key, in_chain, tail if tail and i == len(keys) - 1 else B)
                 if block is None:
                     break
             self.blocks.move_to_end(key)
@@ -112,24 +156,34 @@ class PrefixCache:
         self._touch(keys[:len(chain)])
         if not todo:
             return
-        device = cache.keys[0].device
-        slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device).clamp_(min=0)
+        device = cache.keys[0].device  # (a tail's slots past its tokens are copied too, never read)
+        slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device)
+        slots.clamp_(min=0, max=cache.keys[0].shape[2] - 1)
         ids = torch.tensor([block.id for _, block in todo], device=device)
         src = torch.stack([kv[row][:, slots] for kv in cache.keys + cache.values])  # [2 * layers, kv_heads, m * B, hd]
         self.pools[name].index_copy_(0, ids, src.unflatten(2, (len(todo), B)).permute(2, 0, 1, 3, 4))
         for _, block in todo:
             block.caches.add(name)
 
-    def load(self, name: str, chain: list[Block], cache: KVCache, row: int, shift: int = 0) -> int:
-        """Copy the blocks of `chain` (from block 0; each holding `name`) into `row` of `cache` and set the row's
-        length: the number of slots restored, len(chain) * block_size - shift."""
-        n = len(chain) * self.block_size - shift
-        ids = torch.tensor([block.id for block in chain], device=cache.keys[0].device)
-        data = self.pools[name].index_select(0, ids)  # [m, 2 * layers, kv_heads, B, head_dim]
-        data = data.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2 * layers, kv_heads, m * B, head_dim]
-        for layer, kv in enumerate(cache.keys + cache.values):
-            kv[row, :, :n] = data[layer, :, shift:]
+    def load(self, name: str, chain: list[Block], cache: KVCache, row: int, shift: int = 0,
+             tail: Block | None = None) -> int:
+        """Copy the blocks of `chain` (from block 0; each holding `name`), then `tail`'s tokens if given, into
+        `row` of `cache` and set the row's length: the number of slots restored, the blocks' tokens - shift."""
+        blocks = chain + [tail] if tail is not None else chain
+        n = sum(block.size for block in blocks) - shift
         cache.clear(row)
+        if n <= 0:
+            return 0
+        B, m = self.block_size, len(blocks)
+        ids = torch.tensor([block.id for block in blocks], device=cache.keys[0].device)
+        data = self.pools[name].index_select(0, ids)  # [m, 2 * layers, kv_heads, B, head_dim]
+        if shift == 0 and m * B <= cache.capacity:  # each layer's blocks copied straight into the row's slots
+            for layer, kv in enumerate(cache.keys + cache.values):
+                kv[row, :, :m * B].unflatten(1, (m, B)).copy_(data[:, layer].transpose(0, 1))
+        else:
+            data = data.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2 * layers, kv_heads, m * B, head_dim]
+            for layer, kv in enumerate(cache.keys + cache.values):
+                kv[row, :, :n] = data[layer, :, shift:shift + n]
         cache.advance(row, n)
         return n
 
@@ -137,7 +191,7 @@ class PrefixCache:
         self.blocks.clear()
         self._used = 0
 
-    def _allocate(self, key: bytes, keep: set[int]) -> Block | None:
+    def _allocate(self, key: bytes, keep: set[int], size: int) -> Block | None:
         if self._used < self.num_blocks:
             block = Block(self._used)
             self._used += 1
@@ -147,6 +201,7 @@ class PrefixCache:
                 return None
             del self.blocks[victim_key]
             block.caches.clear()
+        block.size = size
         self.blocks[key] = block
         return block
 

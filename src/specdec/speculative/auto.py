@@ -288,6 +288,10 @@ class AutoProposer(Proposer):
     def usable_prefix(self, prefix, chain: list) -> int:
         return self.second.usable_prefix(prefix, chain) if self.second is not None else len(chain)
 
+    @property
+    def usable_tail(self) -> bool:
+        return self.second.usable_tail if self.second is not None else True
+
     def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
         if self.second is None or (self.drafts_with_model and not self._model_reads(seq, 0, batch)):
             return cached

@@ -84,6 +84,11 @@ class _FeatureProposer(Proposer):
         features of the whole prefix."""
         return len(chain) if self.cache is None else prefix.held("draft", chain)
 
+    @property
+    def usable_tail(self) -> bool:
+        """Not with a cache of its own (EAGLE): tails hold the target's K/V only."""
+        return self.cache is None
+
     def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
         """It needs the feature of the token before the first one it is handed: the target recomputes the
         prefix's last token (EAGLE's cached pairs end just before it)."""

@@ -131,6 +131,12 @@ class Proposer:
         """How many blocks of a cached prompt prefix `chain` (`PrefixCache.lookup`) a sequence may start from."""
         return len(chain)
 
+    @property
+    def usable_tail(self) -> bool:
+        """Whether a sequence may start from a cached tail after the blocks (the target's K/V only: what the
+        proposer needs of its tokens it computes, as of any token not cached)."""
+        return True
+
     def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
         """`seq` starts from `chain`, of which the target's cache row now holds `cached` tokens: take what it
         keeps of them; returns how many of them the target keeps (fewer: it recomputes the rest)."""
