@@ -254,16 +254,21 @@ def test_block_keys_cover_the_whole_prefix_and_the_salt():
     assert not set(salted) & set(keys) and salted == block_keys(list(A), 8, "s") != block_keys(list(A), 8, "t")
 
 
-@pytest.mark.parametrize("shift", [0, 1])
-def test_saved_blocks_load_back_the_slots_they_were_copied_from(shift):
-    """Three blocks of row 1 saved, loaded into row 0 of another cache: the same bits in slots [0, 24 - shift)
-    (shift 1: block i holds slots [8i - 1, 8i + 7), EAGLE's pairs), and the row's length set."""
+def random_rows() -> tuple[KVCache, KVCache, PrefixCache]:
+    """A cache of 2 rows of random K/V, an empty one of 1 row, and a pool of 4 blocks of 8 for the first ("x")."""
     config = target("fp32").config
     src, dst = KVCache(config, 2, 64, torch.float32), KVCache(config, 1, 64, torch.float32)
     gen = torch.Generator().manual_seed(0)
     for t in src.keys + src.values:
         t.copy_(torch.randn(t.shape, generator=gen))
-    pc = PrefixCache({"x": src}, num_blocks=4, block_size=8)
+    return src, dst, PrefixCache({"x": src}, num_blocks=4, block_size=8)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_saved_blocks_load_back_the_slots_they_were_copied_from(shift):
+    """Three blocks of row 1 saved, loaded into row 0 of another cache: the same bits in slots [0, 24 - shift)
+    (shift 1: block i holds slots [8i - 1, 8i + 7), EAGLE's pairs), and the row's length set."""
+    src, dst, pc = random_rows()
     keys = block_keys(list(range(30)), 8)[:3]
     pc.save("x", keys, src, 1, shift)
     assert pc.load("x", pc.lookup(keys), dst, 0, shift) == 24 - shift == dst.lengths[0]
@@ -276,12 +281,7 @@ def test_a_tail_is_found_only_whole_and_loads_back_its_slots():
     blocks are the tail's 5 and more finds it (21 slots load back, the same bits); one that differs in the
     tail's 3rd token, or that has only 3 of its tokens, finds no tail (never a part of one: a match token by
     token would let a client read another's prompt one token per guess); after another block, no tail."""
-    config = target("fp32").config
-    src, dst = KVCache(config, 2, 64, torch.float32), KVCache(config, 1, 64, torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    for t in src.keys + src.values:
-        t.copy_(torch.randn(t.shape, generator=gen))
-    pc = PrefixCache({"x": src}, num_blocks=4, block_size=8)
+    src, dst, pc = random_rows()
     tokens = list(range(40, 61))  # 21
     keys = pc.keys(tokens, tail=True)
     assert len(keys) == 3 and keys[:2] == block_keys(tokens, 8) and pc.keys(tokens[:16], tail=True) == keys[:2]
