@@ -27,10 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from bench_prefix_cache import LLAMA_SERVER, TARGET
 from load_test import free_port, launch
 
-TARGET = "qwen2.5-coder-1.5b-instruct"
-LLAMA_SERVER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llama.cpp-avx2" / "llama-server"
 STDLIB = ("argparse.py", "typing.py", "dataclasses.py", "inspect.py", "pathlib.py", "subprocess.py")
 CASES = ("cold", "same prompt again", "last token changed", "32 more tokens")
 
