@@ -159,15 +159,15 @@ def test_the_draft_model_reads_a_prompt_only_where_drafting_repays_the_reading()
     engine = auto_engine("noisy copy", 3, False)
     auto = engine.proposer
     engine.controller.costs = CostModel()
-    assert not auto._reading_pays(1, 100, 64)  # nothing measured
+    assert not auto.gate.reading_pays(1, 100, 64)  # nothing measured
     costs = CostModel()
     costs.draft, costs.verify, costs.prefill = {1: 0.2}, {1: 1.0, 8: 1.4}, {"target": 0.05, "draft": 0.02}
     engine.controller.costs = costs
     # K = 3 at 0.8: 2.95 tokens per (0.6 + 1.17) = 1.67 per pass-time, saving 0.4 pass-times per token
-    assert auto._reading_pays(1, 100, 64)  # 100 prompt tokens: 2.0 to read, 25.6 saved
-    assert not auto._reading_pays(1, 2000, 64)  # 40 to read
+    assert auto.gate.reading_pays(1, 100, 64)  # 100 prompt tokens: 2.0 to read, 25.6 saved
+    assert not auto.gate.reading_pays(1, 2000, 64)  # 40 to read
     costs.draft = {1: 0.8}  # drafting 3 tokens costs 2.4 pass-times: slower than plain, never read
-    assert not auto._reading_pays(1, 10, 10_000)
+    assert not auto.gate.reading_pays(1, 10, 10_000)
 
 
 @pytest.mark.parametrize("second", [None, "noisy copy"])

@@ -12,16 +12,9 @@ much context they continue, the heads by depth and how sure they are) and the me
     value(draft cut to w tokens) = (1 + E(w)) / (t_pass(w + 1) + t_draft)     E(w) = sum_j<=w prod_l<=j rate(kind_l)
 
 plain decoding being 1 / t_pass(1). The best candidate wins, nothing when plain decoding does; the batch's drafts
-are then cut together to the width that pays (`ByKind.width`). A draft model's tokens are not labelled: its
-value comes from the sequence's measured acceptance rate under the geometric model (Leviathan et al.), its cost
-from its measured forwards plus the tokens it must first catch up on (those of the trie's accepted drafts, at its
-prompt-reading cost). It drafts where that beats both the trie's draft and plain decoding: K tokens with K fixed
-(`--num-speculative-tokens K`), the best K up to the configured one when adaptive; and it is tried again now
-and then after it has lost (`probe_interval` steps, doubling while it keeps losing), so that text on which it
-starts to agree is noticed, where a draft at a high acceptance (`OPTIMISTIC`) could pay at all. A draft model
-too slow beside its target to pay on a machine (a 0.5B draft at 0.66 of a 1.5B pass, each verified row at
-0.5-0.64 of one: measured on a 2-core AVX2 EPYC) is then never run, and it reads a joining prompt only where drafting is
-expected to repay the reading (`_reading_pays`).
+are then cut together to the width that pays (`ByKind.width`). A draft model's tokens are not labelled: when
+it drafts, probes and reads a prompt is `auto_model.ModelGate`'s to decide, from its measured acceptance and
+costs.
 
 Exactness is unchanged: each sequence's draft comes whole from one drafter, point masses from the trie and the
 drafter's distribution from a draft model or heads, and is verified as it would be alone.
@@ -45,7 +38,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdec.speculative.controller import AcceptanceEstimate, ByKind, CostModel, expected_tokens
+from specdec.speculative.auto_model import ModelGate, ModelRow
+from specdec.speculative.controller import AcceptanceEstimate, ByKind, CostModel
 from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposal, Proposer, SuffixProposer
 
 
@@ -55,10 +49,7 @@ class _Row:
 
     seq: object  # the sequence it is for (request ids may be reused)
     lean: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # its labelled tokens' lean (`KindRates`)
-    model: AcceptanceEstimate | None = None  # its draft-model acceptance (a draft model as second drafter)
-    idle: int = 0  # steps since the draft model last drafted for it
-    reads: bool | None = None  # whether the draft model reads its prompt (decided at its first prompt chunk)
-    probe_every: int = 0  # steps between its probes of the draft model
+    model: ModelRow | None = None  # what the draft model's gate knows of it (a draft model as second drafter)
     tree: tuple[list[int], list[int]] | None = None  # its last draft's branches' kinds, if a two-drafter tree
 
 
@@ -68,9 +59,6 @@ class AutoProposer(Proposer):
     a maximum with `adaptive`); suffix drafts hold up to the engine's K (the trie's depth). The engine runs it
     with a fixed K (`SpeculationController` asks nothing of it): the choice and the cut are made here, with the
     controller's measured costs (`bind`)."""
-
-    MODEL_PRIOR = 0.8  # a draft model's acceptance rate before it is measured
-    OPTIMISTIC = 0.95  # the rate at which a draft model's draft is judged able to pay at all (probes)
 
     def __init__(self, suffix: SuffixProposer, second: Proposer | None = None, k: int = 0, adaptive: bool = True,
                  second_name: str | None = None, probe_interval: int = 16, max_probe_interval: int = 256,
@@ -86,10 +74,10 @@ class AutoProposer(Proposer):
         self.tree = tree and self.labelled  # two-drafter trees (the trie's branch beside the heads')
         self.offset = suffix.guess_kinds  # the second drafter's kinds follow the trie's
         self.policy = ByKind(0, suffix.guess_kinds + (second.guess_kinds if self.labelled else 0))
-        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self._costs = CostModel()  # until then
         self._rows: dict[str, _Row] = {}
-        self._read_rate = AcceptanceEstimate.with_prior(self.MODEL_PRIOR)  # the draft's, on prompts it read
+        self.gate = ModelGate(second, self.k, adaptive, lambda: self.costs, self.second_name, probe_interval,
+                              max_probe_interval) if self.drafts_with_model else None
         if second is not None:  # what the engine asks of a drafter is the second one's: the trie needs nothing
             self.restart_tokens = second.restart_tokens
             self.cache = second.cache
@@ -120,9 +108,7 @@ class AutoProposer(Proposer):
     def _row(self, seq) -> _Row:
         row = self._rows.get(seq.request_id)
         if row is None or row.seq is not seq:
-            row = self._rows[seq.request_id] = _Row(seq, probe_every=self.probe_interval)
-            if self.drafts_with_model:
-                row.model = AcceptanceEstimate.with_prior(self.MODEL_PRIOR)
+            row = self._rows[seq.request_id] = _Row(seq, model=self.gate.new_row() if self.gate else None)
         return row
 
     # ------------------------------------------------------------------------------------------- valuing
@@ -148,43 +134,6 @@ class AutoProposer(Proposer):
             best = max(best, (1.0 + e) / self._pass(w + 1))
         return best
 
-    def _model_choice(self, rate: float, limit: int, batch: int, behind: int = 0) -> tuple[int, float]:
-        """(K, tokens per second) of the draft model at acceptance `rate`: K fixed (the configured one, within
-        `limit`), or the best up to it; `behind`: the tokens it must read first beyond the usual two (a
-        catch-up after the trie's accepted drafts, or a restart), at its prompt-reading cost. Before its
-        drafting is measured at this batch size its value is infinite: it runs, and is measured."""
-        t_draft, base = self.costs.draft_time(batch), self._pass(1)
-        ks = range(1, limit + 1) if self.adaptive else [limit]
-        if limit <= 0:
-            return 0, 0.0
-        if t_draft is None or base is None:
-            return max(ks), float("inf")
-        catch_up = (self.costs.draft_prefill_time(behind) or 0.0) if behind > 0 else 0.0
-        best_k, best = 0, 0.0
-        for k in ks:
-            value = expected_tokens(rate, k) / (catch_up + k * t_draft + self._pass(k + 1))
-            if value > best:
-                best_k, best = k, value
-        return best_k, best
-
-    def _reading_pays(self, batch: int, prompt_tokens: int, output_tokens: int) -> bool:
-        """Whether the draft model should read a joining prompt: if drafting at the acceptance measured on read
-        prompts beats plain decoding by more, over `output_tokens`, than the reading costs. Not before its
-        costs are measured: unread, it drafts from a restart on a short window (`DraftModelProposer.window`),
-        which measures them at the cost of a short read, where reading a 200-token prompt first took a third of
-        the first request's time on a 2-core AVX2 machine on which the draft never pays."""
-        base, reading = self._pass(1), self.costs.draft_prefill_time(prompt_tokens)
-        _, value = self._model_choice(self._read_rate.rate, self.k, batch)
-        if base is None or reading is None or value == float("inf"):
-            return False
-        return value > 1.0 / base and output_tokens * (base - 1.0 / value) > reading
-
-    def _model_reads(self, seq, start: int, batch) -> bool:
-        row = self._row(seq)
-        if row.reads is None:
-            row.reads = self._reading_pays(batch.batch_size, len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
-        return row.reads
-
     # ------------------------------------------------------------------------------------------- drafting
     def propose(self, seqs, ks) -> Proposal:
         if max(ks, default=0) == 0:
@@ -205,8 +154,8 @@ class AutoProposer(Proposer):
                 value = self._value(d.kinds, row.lean.lean)
                 if value > values[b] or not drafts[b].tokens:
                     drafts[b], values[b] = d, value
-        elif self.drafts_with_model:
-            drafts, forward = self._with_model(seqs, ks, rows, drafts, values)
+        elif self.gate is not None:
+            drafts, forward = self.gate.draft(seqs, ks, [row.model for row in rows], drafts, values)
         if all(d.kinds is not None or not d.tokens for d in drafts):  # the batch's drafts cut where they pay
             w = self.policy.width([d.kinds or [] for d in drafts], [row.lean.lean for row in rows], self.costs)
             drafts = [d if len(d.tokens) <= w else replace(d, tokens=d.tokens[:w], kinds=d.kinds[:w],
@@ -248,32 +197,6 @@ class AutoProposer(Proposer):
                      parents=list(range(-1, wt - 1)) + [-1] + list(range(wt, wt + wh - 1)),
                      source=f"suffix+{self.second_name}")
 
-    def _with_model(self, seqs, ks, rows: list[_Row], drafts: list[Draft], values: list[float]):
-        """The draft model drafts for the sequences where it is worth more than the trie's draft and plain
-        decoding (`values` are at least plain's), and probes where it has been idle long enough and could pay
-        at all; one batched run for all of them."""
-        model_ks = []
-        for seq, k, row, value in zip(seqs, ks, rows, values):
-            limit, behind = min(k, self.k), max(0, self.second.behind(seq) - 2)
-            k_model, model_value = self._model_choice(row.model.rate, limit, len(seqs), behind)
-            probe = row.idle >= row.probe_every and \
-                self._model_choice(self.OPTIMISTIC, limit, len(seqs), behind)[1] > value
-            use = k_model > 0 and (model_value > value or probe)
-            if use and probe and not model_value > value:
-                row.probe_every = min(2 * row.probe_every, self.max_probe_interval)
-                k_model = 1 if self.adaptive else k_model
-            elif use:
-                row.probe_every = self.probe_interval
-            model_ks.append(k_model if use else 0)
-            row.idle = 0 if use else row.idle + 1
-        if not any(model_ks):
-            return drafts, None
-        proposal = self.second.propose(seqs, model_ks)
-        for b, k in enumerate(model_ks):
-            if k:
-                drafts[b] = replace(proposal.drafts[b], source=self.second_name)
-        return drafts, proposal.forward_seconds
-
     # ------------------------------------------------------------------------------------------- the rest
     def prefill(self, seq, start: int, stop: int) -> int:
         return self.second.prefill(seq, start, stop) if self.second is not None else 0
@@ -282,8 +205,11 @@ class AutoProposer(Proposer):
         self.suffix.read_prompt(chunk)
         if self.second is None:
             return
-        if not self.drafts_with_model or self._model_reads(chunk.seq, chunk.start, chunk.batch):
+        if self.gate is None or self._model_reads(chunk.seq, chunk.start, chunk.batch.batch_size):
             self.second.read_prompt(chunk)
+
+    def _model_reads(self, seq, start: int, batch_size: int) -> bool:
+        return self.gate.reads(self._row(seq).model, seq, start, batch_size)
 
     def usable_prefix(self, prefix, chain: list) -> int:
         return self.second.usable_prefix(prefix, chain) if self.second is not None else len(chain)
@@ -293,7 +219,7 @@ class AutoProposer(Proposer):
         return self.second.usable_tail if self.second is not None else True
 
     def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
-        if self.second is None or (self.drafts_with_model and not self._model_reads(seq, 0, batch)):
+        if self.second is None or (self.gate is not None and not self._model_reads(seq, 0, batch.batch_size)):
             return cached
         return self.second.restore_prefix(seq, prefix, chain, cached, batch)
 
@@ -315,9 +241,7 @@ class AutoProposer(Proposer):
             elif draft.kinds is not None:
                 self.policy.rates.learn(draft.kinds, verdict.num_accepted, row.lean)
             elif row.model is not None:
-                row.model.update(len(draft.tokens), verdict.num_accepted, 0.9)
-                if row.reads:
-                    self._read_rate.update(len(draft.tokens), verdict.num_accepted, 0.9)
+                self.gate.observe(row.model, len(draft.tokens), verdict.num_accepted)
 
     def release(self, seq) -> None:
         self.suffix.release(seq)
