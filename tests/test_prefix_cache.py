@@ -16,6 +16,7 @@ from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.engine.memory import GiB, plan_memory
+from specdec.engine import prefix_cache
 from specdec.engine.prefix_cache import PrefixCache, block_keys
 from specdec.heads.modules import HEAD_CLASSES, HeadsConfig
 from specdec.models.kv_cache import KVCache
@@ -274,6 +275,36 @@ def test_saved_blocks_load_back_the_slots_they_were_copied_from(shift):
     assert pc.load("x", pc.lookup(keys), dst, 0, shift) == 24 - shift == dst.lengths[0]
     for a, b in zip(src.keys + src.values, dst.keys + dst.values):
         assert torch.equal(b[0, :, :24 - shift], a[1, :, :24 - shift])
+
+
+def test_runs_of_consecutive_block_ids():
+    assert prefix_cache._runs([4, 5, 6, 0, 9, 10]) == [(0, 4, 3), (3, 0, 1), (4, 9, 2)]
+    assert prefix_cache._runs([1, 0]) == [(0, 1, 1), (1, 0, 1)] and prefix_cache._runs([]) == []
+
+
+@pytest.mark.parametrize("max_runs", [8, 1], ids=["by-runs", "gathered"])
+def test_blocks_saved_into_evicted_blocks_out_of_order_load_back_the_same_bits(max_runs, monkeypatch):
+    """A full pool hands out its least recently used blocks: a chain saved then lands in blocks 1 and 0 (not a
+    run of the pool), copied layer by layer into them; it loads back the same bits, and so does a chain
+    saved from a later block on (its first block already held). Copied run by run of the pool's blocks, and
+    (max_runs 1) with the pool's blocks gathered in one copy."""
+    monkeypatch.setattr(prefix_cache, "MAX_RUNS", max_runs)
+    src, dst, pc = random_rows()
+    a, b, c = (block_keys(list(range(start, start + 16)), 8) for start in (100, 200, 300))
+    pc.save("x", a, src, 0)
+    pc.save("x", b, src, 1)
+    assert [pc.blocks[key].id for key in a + b] == [0, 1, 2, 3]
+    pc.save("x", c, src, 1)  # evicts a's deeper block first (id 1), then its first (id 0)
+    assert [pc.blocks[key].id for key in c] == [1, 0]
+    assert pc.load("x", pc.lookup(c), dst, 0) == 16
+    for x, y in zip(src.keys + src.values, dst.keys + dst.values):
+        assert torch.equal(y[0, :, :16], x[1, :, :16])
+    longer = block_keys(list(range(300, 324)), 8)  # c's 2 blocks and a third: only the third is copied
+    assert longer[:2] == c
+    pc.save("x", longer, src, 1)
+    assert pc.load("x", pc.lookup(longer), dst, 0) == 24
+    for x, y in zip(src.keys + src.values, dst.keys + dst.values):
+        assert torch.equal(y[0, :, :24], x[1, :, :24])
 
 
 def test_a_tail_is_found_only_whole_and_loads_back_its_slots():

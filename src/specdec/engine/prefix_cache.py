@@ -44,6 +44,7 @@ import torch
 from specdec.models.kv_cache import KVCache
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's default)
+MAX_RUNS = 8  # runs of consecutive pool blocks copied one by one; past that, one gathered copy
 
 
 @dataclass
@@ -61,6 +62,18 @@ def root_key(salt: str | None) -> bytes:
 def next_key(key: bytes, tokens) -> bytes:
     """The key of a block (or tail) holding `tokens` after the block keyed `key`."""
     return hashlib.sha256(key + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(start, first id, count) of each run of consecutive ids. Example: [4, 5, 6, 0, 9, 10] -> [(0, 4, 3),
+    (3, 0, 1), (4, 9, 2)]."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block_id in enumerate(ids):
+        if runs and block_id == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block_id, 1))
+    return runs
 
 
 def block_keys(tokens: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
@@ -157,11 +170,25 @@ class PrefixCache:
         if not todo:
             return
         device = cache.keys[0].device  # (a tail's slots past its tokens are copied too, never read)
-        slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device)
-        slots.clamp_(min=0, max=cache.keys[0].shape[2] - 1)
+        pool, m, first = self.pools[name], len(todo), todo[0][0]
         ids = torch.tensor([block.id for _, block in todo], device=device)
-        src = torch.stack([kv[row][:, slots] for kv in cache.keys + cache.values])  # [2 * layers, kv_heads, m * B, hd]
-        self.pools[name].index_copy_(0, ids, src.unflatten(2, (len(todo), B)).permute(2, 0, 1, 3, 4))
+        if shift == 0 and (first + m) * B <= cache.capacity and all(i == first + j for j, (i, _) in enumerate(todo)):
+            # a run of the row's blocks (a new prompt's or answer's): each layer's slots copied straight into
+            # the pool, one copy (10k tokens on 2 AVX2 cores: 0.35 s through gathered and stacked copies, 0.11 s
+            # into runs of the pool's blocks, 0.15 s into scattered ones)
+            runs = _runs([block.id for _, block in todo])
+            for layer, kv in enumerate(cache.keys + cache.values):
+                blocks = kv[row, :, first * B:(first + m) * B].unflatten(1, (m, B)).transpose(0, 1)  # [m, kv_heads, B, hd]
+                if len(runs) <= MAX_RUNS:
+                    for start, first_id, count in runs:
+                        pool[first_id:first_id + count, layer].copy_(blocks[start:start + count])
+                else:
+                    pool.select(1, layer).index_copy_(0, ids, blocks)
+        else:
+            slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device)
+            slots.clamp_(min=0, max=cache.keys[0].shape[2] - 1)
+            src = torch.stack([kv[row][:, slots] for kv in cache.keys + cache.values])  # [2 * layers, kv_heads, m * B, hd]
+            pool.index_copy_(0, ids, src.unflatten(2, (m, B)).permute(2, 0, 1, 3, 4))
         for _, block in todo:
             block.caches.add(name)
 
@@ -174,10 +201,21 @@ class PrefixCache:
         cache.clear(row)
         if n <= 0:
             return 0
-        B, m = self.block_size, len(blocks)
+        B, m, pool = self.block_size, len(blocks), self.pools[name]
+        runs = _runs([block.id for block in blocks])
+        fits = shift == 0 and m * B <= cache.capacity
+        if fits and len(runs) <= MAX_RUNS:
+            # each run of consecutive pool blocks copied straight into the row's slots, layer by layer: one
+            # copy (10k tokens on 2 AVX2 cores: 0.16 s through a gathered copy of the blocks, 0.08 s so)
+            for layer, kv in enumerate(cache.keys + cache.values):
+                for start, first_id, count in runs:
+                    kv[row, :, start * B:(start + count) * B].unflatten(1, (count, B)).copy_(
+                        pool[first_id:first_id + count, layer].transpose(0, 1))
+            cache.advance(row, n)
+            return n
         ids = torch.tensor([block.id for block in blocks], device=cache.keys[0].device)
-        data = self.pools[name].index_select(0, ids)  # [m, 2 * layers, kv_heads, B, head_dim]
-        if shift == 0 and m * B <= cache.capacity:  # each layer's blocks copied straight into the row's slots
+        data = pool.index_select(0, ids)  # [m, 2 * layers, kv_heads, B, head_dim]
+        if fits:  # each layer's blocks copied straight into the row's slots
             for layer, kv in enumerate(cache.keys + cache.values):
                 kv[row, :, :m * B].unflatten(1, (m, B)).copy_(data[:, layer].transpose(0, 1))
         else:
