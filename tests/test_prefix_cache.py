@@ -14,9 +14,8 @@ import torch
 
 from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.config import SamplingParams
-from specdec.engine import Engine
+from specdec.engine import Engine, prefix_cache
 from specdec.engine.memory import GiB, plan_memory
-from specdec.engine import prefix_cache
 from specdec.engine.prefix_cache import PrefixCache, block_keys
 from specdec.heads.modules import HEAD_CLASSES, HeadsConfig
 from specdec.models.kv_cache import KVCache

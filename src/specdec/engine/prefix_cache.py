@@ -171,24 +171,25 @@ class PrefixCache:
             return
         device = cache.keys[0].device  # (a tail's slots past its tokens are copied too, never read)
         pool, m, first = self.pools[name], len(todo), todo[0][0]
-        ids = torch.tensor([block.id for _, block in todo], device=device)
+        ids = [block.id for _, block in todo]
         if shift == 0 and (first + m) * B <= cache.capacity and all(i == first + j for j, (i, _) in enumerate(todo)):
             # a run of the row's blocks (a new prompt's or answer's): each layer's slots copied straight into
             # the pool, one copy (10k tokens on 2 AVX2 cores: 0.35 s through gathered and stacked copies, 0.11 s
             # into runs of the pool's blocks, 0.15 s into scattered ones)
-            runs = _runs([block.id for _, block in todo])
+            runs = _runs(ids)
+            index = torch.tensor(ids, device=device) if len(runs) > MAX_RUNS else None
             for layer, kv in enumerate(cache.keys + cache.values):
                 blocks = kv[row, :, first * B:(first + m) * B].unflatten(1, (m, B)).transpose(0, 1)  # [m, kv_heads, B, hd]
-                if len(runs) <= MAX_RUNS:
+                if index is None:
                     for start, first_id, count in runs:
                         pool[first_id:first_id + count, layer].copy_(blocks[start:start + count])
                 else:
-                    pool.select(1, layer).index_copy_(0, ids, blocks)
+                    pool.select(1, layer).index_copy_(0, index, blocks)
         else:
             slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device)
             slots.clamp_(min=0, max=cache.keys[0].shape[2] - 1)
             src = torch.stack([kv[row][:, slots] for kv in cache.keys + cache.values])  # [2 * layers, kv_heads, m * B, hd]
-            pool.index_copy_(0, ids, src.unflatten(2, (m, B)).permute(2, 0, 1, 3, 4))
+            pool.index_copy_(0, torch.tensor(ids, device=device), src.unflatten(2, (m, B)).permute(2, 0, 1, 3, 4))
         for _, block in todo:
             block.caches.add(name)
 

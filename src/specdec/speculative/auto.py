@@ -76,18 +76,14 @@ class AutoProposer(Proposer):
         self.policy = ByKind(0, suffix.guess_kinds + (second.guess_kinds if self.labelled else 0))
         self._costs = CostModel()  # until then
         self._rows: dict[str, _Row] = {}
+        # a draft model as second drafter (unlabelled tokens, a cost per drafted token): its gate decides
         self.gate = ModelGate(second, self.k, adaptive, lambda: self.costs, self.second_name, probe_interval,
-                              max_probe_interval) if self.drafts_with_model else None
+                              max_probe_interval) if second is not None and not self.labelled else None
         if second is not None:  # what the engine asks of a drafter is the second one's: the trie needs nothing
             self.restart_tokens = second.restart_tokens
             self.cache = second.cache
             self.kv_shift = second.kv_shift
             self.feature_layers = second.feature_layers
-
-    @property
-    def drafts_with_model(self) -> bool:
-        """The second drafter is a draft model (unlabelled tokens, a cost per drafted token)."""
-        return self.second is not None and not self.labelled
 
     def bind(self, controller) -> None:
         self.controller = controller
