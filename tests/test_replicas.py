@@ -19,11 +19,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.engine.prefix_cache import block_keys
-from specdec.server.app import _chat_prompt_ids, build_app
+from specdec.server.app import build_app
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.cli import add_serve_arguments
 from specdec.server.metrics import ServerMetrics
 from specdec.server.metrics_merge import merge_metrics
+from specdec.server.prompts import chat_prompt_ids
 from specdec.server.responses import ResponseStore, owner_of
 from specdec.server.routing import KeyOwners, PromptKeys, RouteHint, choose
 from specdec.testing import tiny_server
@@ -91,7 +92,7 @@ def test_prompt_keys_are_the_prefix_cache_block_keys_of_the_prompt():
     keys = PromptKeys(tokenizer)
     first, second = conversation(0, 1), conversation(0, 2)
     hint = keys.of(CHAT, json.dumps(chat(first)).encode())
-    assert hint.keys == tuple(block_keys(_chat_prompt_ids(tokenizer, first), 16)) and len(hint.keys) >= 3
+    assert hint.keys == tuple(block_keys(chat_prompt_ids(tokenizer, first), 16)) and len(hint.keys) >= 3
     # the next turn's prompt extends the first's (the answer follows `<assistant>`): its keys extend them
     later = keys.of(CHAT, json.dumps(chat(second)).encode())
     assert later.keys[:len(hint.keys)] == hint.keys and len(later.keys) > len(hint.keys)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdec.server.app import _sse
+from specdec.server.streams import sse
 from specdec.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class ReplayedResponse(Response):
             logger.warning("replica failed mid-answer: %r", e)
             if self.is_sse:
                 event = replica_failed().to_dict()
-                await send({"type": "http.response.body", "body": _sse(event).encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": sse(event).encode(), "more_body": True})
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
                 return
         await send({"type": "http.response.body", "body": b"", "more_body": False})

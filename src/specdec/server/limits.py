@@ -9,6 +9,8 @@ connections, so that 256 idle sockets had every request, /health included, answe
   previous response ended). Idleness between requests stays uvicorn's `timeout_keep_alive`.
 - `BodyDeadline` (ASGI): a body that has not fully arrived `timeout_body` seconds after its head is answered
   408 (an OpenAI error object) and its connection closed.
+- `BodyLimit` (ASGI): a body over N bytes is answered 413, at once from its Content-Length, or while a chunked
+  body streams in.
 - `InFlightLimit` (ASGI): at most N requests being answered at once, /health exempt; past it, 503 with an
   OpenAI error object of code `server_overloaded` and a Retry-After. An open connection costs no slot.
 - `uvicorn_config(app, ...)`: uvicorn's Config serving `app` with the deadlines.
@@ -27,7 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specdec.server import DEFAULT_TIMEOUT_BODY, DEFAULT_TIMEOUT_HEADERS, DEFAULT_TIMEOUT_KEEP_ALIVE
+from specdec.server import DEFAULT_TIMEOUT_HEADERS, DEFAULT_TIMEOUT_KEEP_ALIVE
 from specdec.server.protocol import APIError
 
 OVERLOADED_RETRY_AFTER_S = 1
@@ -124,7 +126,7 @@ class BodyDeadline:
                 raise
             error = APIError(408, f"The request body did not arrive within {self.timeout:g} seconds of its "
                                   f"headers.", code="request_timeout", headers={"Connection": "close"})
-            await _respond(error, scope, receive, send)
+            await respond_error(error, scope, receive, send)
 
 
 class InFlightLimit:
@@ -142,7 +144,7 @@ class InFlightLimit:
         if self.in_flight >= self.limit:
             error = APIError(503, f"The server is answering {self.limit} requests, its limit; retry shortly.",
                              code="server_overloaded", headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
-            return await _respond(error, scope, receive, send)
+            return await respond_error(error, scope, receive, send)
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)
@@ -150,5 +152,49 @@ class InFlightLimit:
             self.in_flight -= 1
 
 
-async def _respond(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+async def respond_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
     await JSONResponse(error.to_dict(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """413 for a body over `max_bytes`: at once from Content-Length, or while a chunked body streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        seen, started = 0, False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"The request body is larger than the limit of {self.max_bytes} bytes.",
+                         code="request_too_large")
+        await respond_error(error, scope, receive, send)

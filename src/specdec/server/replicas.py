@@ -174,7 +174,7 @@ class Ingress:
         self.api_key, self.public_metrics = args.api_key, args.public_metrics
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        from specdec.server.app import _ApiKeyAuth
+        from specdec.server.middleware import ApiKeyAuth
 
         app = Starlette(routes=[Route("/health", self.health), Route("/metrics", self.prometheus),
                                 Route("/replicas", self.list_replicas),
@@ -182,7 +182,7 @@ class Ingress:
         if not self.api_key:
             return app
         open_paths = {"/health", "/metrics"} if self.public_metrics else {"/health"}
-        return _ApiKeyAuth(app, self.api_key, frozenset(open_paths))
+        return ApiKeyAuth(app, self.api_key, frozenset(open_paths))
 
     async def health(self, request: Request) -> Response:
         reports = await self.board.fresh.remote()

@@ -56,7 +56,7 @@ class PromptKeys:
         """The hint for a request to `path` with JSON `body`; an empty hint for a route that generates nothing,
         a body that does not parse (the replica answers its error); for a request naming a stored response,
         the replica that stored it (its history is there)."""
-        from specdec.server.app import _chat_prompt_ids, _completion_prompt_ids
+        from specdec.server.prompts import chat_prompt_ids, completion_prompt_ids
 
         if path.startswith("/v1/responses/"):
             return RouteHint(stored_by=owner_of(path.removeprefix("/v1/responses/").split("/")[0]))
@@ -67,12 +67,12 @@ class PromptKeys:
                     return RouteHint(stored_by=owner_of(previous))
             if path == "/v1/completions":
                 req = CompletionRequest.model_validate_json(body)
-                ids = _completion_prompt_ids(self.tokenizer, req.prompts()[0])
+                ids = completion_prompt_ids(self.tokenizer, req.prompts()[0])
             else:
                 req = self._chat_request(path, body)
                 if req is None:
                     return RouteHint()
-                ids = _chat_prompt_ids(self.tokenizer, req.template_messages(), req.template_tools(),
+                ids = chat_prompt_ids(self.tokenizer, req.template_messages(), req.template_tools(),
                                        special_text=self.special_text)
         except (ValidationError, APIError, ValueError, IndexError):
             return RouteHint()
