@@ -16,7 +16,7 @@ from specdec.engine import Engine
 from specdec.heads.modules import load_heads
 from specdec.sampling import process_logits
 from specdec.speculative.auto import AutoProposer
-from specdec.speculative.controller import CostModel
+from specdec.speculative.costs import CostModel
 from specdec.speculative.head_proposers import MedusaProposer
 from specdec.speculative.proposers import DraftModelProposer, SuffixProposer
 from specdec.speculative.suffix import SuffixCache

@@ -9,8 +9,8 @@ import torch
 from fakes import FakeTokenizer, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.speculative.controller import (AcceptanceEstimate, AdaptiveK, ByKind, CostModel, FixedK, KindRates,
-                                           LineFit, SpeculationController, StepReport, expected_tokens)
+from specdec.speculative.costs import AcceptanceEstimate, CostModel, LineFit, expected_tokens
+from specdec.speculative.controller import AdaptiveK, ByKind, FixedK, KindRates, SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, SuffixProposer
 from specdec.testing.degraded import PermutedLogitsModel
 from specdec.speculative.proposers import DraftModelProposer

@@ -15,7 +15,8 @@ from specdec.engine.scheduler import Scheduler
 from specdec.models.kv_cache import KEY_BLOCK, KVCache
 from specdec.speculative.auto import AutoProposer
 from specdec.speculative.build import build_proposer, tree_of
-from specdec.speculative.controller import AcceptanceEstimate, SpeculationController, StepReport
+from specdec.speculative.costs import AcceptanceEstimate
+from specdec.speculative.controller import SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, NgramProposer, NullProposer, Proposer, SuffixProposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 

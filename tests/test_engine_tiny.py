@@ -19,7 +19,7 @@ from specdec.engine import verification
 from specdec.engine import Engine
 from specdec.engine.stop_strings import StopStrings
 from specdec.server.async_engine import AsyncEngine, RequestFailedError
-from specdec.speculative.controller import CostModel
+from specdec.speculative.costs import CostModel
 from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer, draft_vocabulary
 from specdec.testing.degraded import PermutedLogitsModel
 

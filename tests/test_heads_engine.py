@@ -17,7 +17,8 @@ from specdec.engine import Engine
 from specdec.heads.modules import load_heads
 from specdec.training import TrainConfig, train_heads
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
-from specdec.speculative.controller import ByKind, CostModel
+from specdec.speculative.costs import CostModel
+from specdec.speculative.controller import ByKind
 from specdec.speculative.tree import DynamicTree, TreeShape
 from test_engine_tiny import PROMPTS, run
 from test_heads import ByteTokenizer

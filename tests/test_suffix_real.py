@@ -11,7 +11,7 @@ import pytest
 from specdec.bench.compare import decode
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.speculative.controller import CostModel
+from specdec.speculative.costs import CostModel
 from specdec.speculative.proposers import SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 

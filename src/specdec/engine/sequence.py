@@ -15,7 +15,7 @@ from specdec.engine.outputs import RequestOutput, TokenLogprob
 from specdec.engine.structured import Grammar, GrammarMatcher
 from specdec.engine.verification import token_logprobs
 from specdec.models.tokenizer import Tokenizer
-from specdec.speculative.controller import AcceptanceEstimate
+from specdec.speculative.costs import AcceptanceEstimate
 
 
 @dataclass(eq=False)

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec.speculative.auto_model import ModelGate, ModelRow
-from specdec.speculative.controller import AcceptanceEstimate, ByKind, CostModel
+from specdec.speculative.costs import AcceptanceEstimate, CostModel
+from specdec.speculative.controller import ByKind
 from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposal, Proposer, SuffixProposer
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from specdec.speculative.controller import AcceptanceEstimate, CostModel, expected_tokens
+from specdec.speculative.costs import AcceptanceEstimate, CostModel, expected_tokens
 from specdec.speculative.proposers import Draft, Proposer
 
 

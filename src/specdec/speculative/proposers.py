@@ -17,7 +17,7 @@ import torch
 from specdec.models.kv_cache import KVCache
 from specdec.sampling import process_logits, sample
 from specdec.speculative.acceptance import Verdict
-from specdec.speculative.controller import default_clock
+from specdec.speculative.costs import default_clock
 from specdec.speculative.tree import depths
 
 
