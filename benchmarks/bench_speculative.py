@@ -26,7 +26,7 @@ from specdec.bench.methods import Method, parse_method
 from specdec.bench.prompts import dataset_prompts
 from specdec.engine import Engine
 from specdec.models.quant import resolve_quantization
-from specdec.speculative.proposers import DraftModelProposer
+from specdec.speculative.draft_model import DraftModelProposer
 from specdec.testing.degraded import PermutedLogitsModel
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"

@@ -72,7 +72,8 @@ def measure() -> dict[str, float]:
 
     from specdec.config import SamplingParams
     from specdec.engine import Engine
-    from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+    from specdec.speculative.draft_model import DraftModelProposer
+    from specdec.speculative.proposers import NgramProposer
 
     torch.set_num_threads(1)
     results = {}

@@ -221,7 +221,8 @@ def test_greedy_after_a_long_prompt_is_the_same_for_plain_and_every_drafter(long
     keep the test to a few minutes."""
     from specdec.config import SamplingParams
     from specdec.engine import Engine
-    from specdec.speculative.proposers import DraftModelProposer, NgramProposer, SuffixProposer
+    from specdec.speculative.draft_model import DraftModelProposer
+    from specdec.speculative.proposers import NgramProposer, SuffixProposer
     from specdec.speculative.suffix import SuffixCache
 
     model, tokenizer = long_model

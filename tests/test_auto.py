@@ -18,7 +18,8 @@ from specdec.sampling import process_logits
 from specdec.speculative.auto import AutoProposer
 from specdec.speculative.costs import CostModel
 from specdec.speculative.head_proposers import MedusaProposer
-from specdec.speculative.proposers import DraftModelProposer, SuffixProposer
+from specdec.speculative.draft_model import DraftModelProposer
+from specdec.speculative.proposers import SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 from test_engine_tiny import (BATCH_REQUESTS, GREEDY, MAX_LEN, PROMPTS, SpeculationPays, assert_metrics_consistent,
                               draft, generate, plain, run, target)

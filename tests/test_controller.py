@@ -13,7 +13,7 @@ from specdec.speculative.costs import AcceptanceEstimate, CostModel, LineFit, ex
 from specdec.speculative.controller import AdaptiveK, ByKind, FixedK, KindRates, SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, SuffixProposer
 from specdec.testing.degraded import PermutedLogitsModel
-from specdec.speculative.proposers import DraftModelProposer
+from specdec.speculative.draft_model import DraftModelProposer
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
 

@@ -20,7 +20,8 @@ from specdec.engine import Engine
 from specdec.engine.stop_strings import StopStrings
 from specdec.server.async_engine import AsyncEngine, RequestFailedError
 from specdec.speculative.costs import CostModel
-from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer, draft_vocabulary
+from specdec.speculative.draft_model import DraftModelProposer, draft_vocabulary
+from specdec.speculative.proposers import Draft, NgramProposer
 from specdec.testing.degraded import PermutedLogitsModel
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)

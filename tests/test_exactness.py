@@ -16,7 +16,8 @@ from specdec.bench.compare import decode as run
 from specdec.config import SamplingParams
 from specdec.data import DATA_DIR
 from specdec.engine import Engine
-from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+from specdec.speculative.draft_model import DraftModelProposer
+from specdec.speculative.proposers import NgramProposer
 
 DATA = DATA_DIR  # the prompt sets shipped with specdec
 pytestmark = pytest.mark.real

@@ -20,7 +20,8 @@ from specdec.engine.prefix_cache import PrefixCache, block_keys
 from specdec.heads.modules import HEAD_CLASSES, HeadsConfig
 from specdec.models.kv_cache import KVCache
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
-from specdec.speculative.proposers import DraftModelProposer, NgramProposer
+from specdec.speculative.draft_model import DraftModelProposer
+from specdec.speculative.proposers import NgramProposer
 from test_engine_tiny import MAX_LEN, draft, run, target, widths_fed
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)

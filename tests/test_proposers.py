@@ -13,7 +13,8 @@ from specdec.config import ModelConfig, SamplingParams
 from specdec.sampling import make_generator
 from specdec.speculative.acceptance import Verdict
 from specdec.speculative.compat import IncompatibleDraftError, check_draft_compatible
-from specdec.speculative.proposers import Draft, DraftModelProposer, NgramProposer, draft_vocabulary
+from specdec.speculative.draft_model import DraftModelProposer, draft_vocabulary
+from specdec.speculative.proposers import Draft, NgramProposer
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)

@@ -26,7 +26,7 @@ from specdec.fan_out import fan_out, pick_best, sub_requests
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import process_logits, process_rows
-from specdec.speculative.proposers import DraftModelProposer
+from specdec.speculative.draft_model import DraftModelProposer
 from test_engine_tiny import MAX_LEN, PROMPTS, STOP_PROMPT, continuation, oracle, run, target  # noqa: F401
 from test_engine_tiny import make_proposer
 from test_sampling_distribution import assert_follows

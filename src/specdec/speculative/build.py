@@ -5,8 +5,8 @@ from __future__ import annotations
 from specdec.config import SpeculativeConfig
 from specdec.speculative.auto import AutoProposer
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
-from specdec.speculative.proposers import (DraftModelProposer, NgramProposer, NullProposer, Proposer, SuffixProposer,
-                                          draft_vocabulary)
+from specdec.speculative.draft_model import DraftModelProposer, draft_vocabulary
+from specdec.speculative.proposers import NgramProposer, NullProposer, Proposer, SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 from specdec.speculative.tree import DynamicTree, TreeShape
 
