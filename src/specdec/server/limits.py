@@ -100,7 +100,7 @@ class BodyDeadline:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         deadline = asyncio.get_running_loop().time() + self.timeout
-        body_done, started = False, False
+        body_done, tracked_send = False, TrackedSend(send)
 
         async def timed_receive() -> Message:
             nonlocal body_done
@@ -114,15 +114,10 @@ class BodyDeadline:
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
             await self.app(scope, timed_receive, tracked_send)
         except _BodyTimedOut:
-            if started:
+            if tracked_send.started:
                 raise
             error = APIError(408, f"The request body did not arrive within {self.timeout:g} seconds of its "
                                   f"headers.", code="request_timeout", headers={"Connection": "close"})
@@ -152,6 +147,18 @@ class InFlightLimit:
             self.in_flight -= 1
 
 
+class TrackedSend:
+    """An ASGI `send` that remembers whether the response has begun (past that, an error can no longer be
+    answered: the connection can only be cut)."""
+
+    def __init__(self, send: Send):
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 async def respond_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
     await JSONResponse(error.to_dict(), status_code=error.status, headers=error.headers)(scope, receive, send)
 
@@ -172,7 +179,7 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._refuse(scope, receive, send)
-        seen, started = 0, False
+        seen, tracked_send = 0, TrackedSend(send)
 
         async def counted_receive() -> Message:
             nonlocal seen
@@ -183,15 +190,10 @@ class BodyLimit:
                     raise _BodyTooLarge()
             return message
 
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
             await self.app(scope, counted_receive, tracked_send)
         except _BodyTooLarge:
-            if not started:
+            if not tracked_send.started:
                 await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -8,7 +8,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdec.server.limits import respond_error
+from specdec.server.limits import TrackedSend, respond_error
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import APIError, new_id
 
@@ -45,19 +45,13 @@ class InternalErrors:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked_send = TrackedSend(send)
         try:
             await self.app(scope, receive, tracked_send)
         except Exception:
             error_id = new_id("err")
             logger.exception("internal error %s answering %s %s", error_id, scope["method"], scope["path"])
-            if started:
+            if tracked_send.started:
                 raise
             error = APIError(500, f"The server had an error while processing your request. Quote {error_id} to "
                                   f"its operator, whose log has the details.", code="internal_error",
