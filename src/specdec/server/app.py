@@ -103,11 +103,11 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error_json(e)
+        return e.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error_json(APIError(e.status_code, str(e.detail), code=None))
+        return APIError(e.status_code, str(e.detail), code=None).response()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -159,8 +159,8 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine_client.healthy:
-            return _error_json(APIError(503, "the engine is not running, or the server is shutting down",
-                                            code="engine_unavailable"))
+            return APIError(503, "the engine is not running, or the server is shutting down",
+                            code="engine_unavailable").response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -395,6 +395,3 @@ async def _parse(request: Request, model: type[BaseModel]):
     except ValidationError as e:
         raise validation_error(e) from None
 
-
-def _error_json(e: APIError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)

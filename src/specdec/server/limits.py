@@ -25,7 +25,6 @@ import asyncio
 
 import h11
 import uvicorn
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -121,7 +120,7 @@ class BodyDeadline:
                 raise
             error = APIError(408, f"The request body did not arrive within {self.timeout:g} seconds of its "
                                   f"headers.", code="request_timeout", headers={"Connection": "close"})
-            await respond_error(error, scope, receive, send)
+            await error.response()(scope, receive, send)
 
 
 class InFlightLimit:
@@ -139,7 +138,7 @@ class InFlightLimit:
         if self.in_flight >= self.limit:
             error = APIError(503, f"The server is answering {self.limit} requests, its limit; retry shortly.",
                              code="server_overloaded", headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
-            return await respond_error(error, scope, receive, send)
+            return await error.response()(scope, receive, send)
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)
@@ -157,10 +156,6 @@ class TrackedSend:
     async def __call__(self, message: Message) -> None:
         self.started = self.started or message["type"] == "http.response.start"
         await self.send(message)
-
-
-async def respond_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-    await JSONResponse(error.to_dict(), status_code=error.status, headers=error.headers)(scope, receive, send)
 
 
 class _BodyTooLarge(Exception):
@@ -199,4 +194,4 @@ class BodyLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = APIError(413, f"The request body is larger than the limit of {self.max_bytes} bytes.",
                          code="request_too_large")
-        await respond_error(error, scope, receive, send)
+        await error.response()(scope, receive, send)

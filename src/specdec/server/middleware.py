@@ -8,7 +8,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdec.server.limits import TrackedSend, respond_error
+from specdec.server.limits import TrackedSend
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import APIError, new_id
 
@@ -30,7 +30,7 @@ class ApiKeyAuth:
             if not (bearer | hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)):
                 error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` (or "
                                       "`x-api-key: <key>`).", code="invalid_api_key")
-                return await respond_error(error, scope, receive, send)
+                return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -56,7 +56,7 @@ class InternalErrors:
             error = APIError(500, f"The server had an error while processing your request. Quote {error_id} to "
                                   f"its operator, whose log has the details.", code="internal_error",
                              headers={"X-Request-Id": error_id})
-            await respond_error(error, scope, receive, send)
+            await error.response()(scope, receive, send)
 
 
 class CountAnswers:

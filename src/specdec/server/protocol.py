@@ -13,6 +13,7 @@ import json
 import uuid
 from typing import Any, ClassVar, Literal
 
+from starlette.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdec.config import MAX_TEMPERATURE
@@ -34,6 +35,10 @@ class APIError(Exception):
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """This error as an HTTP answer (also an ASGI app: `await e.response()(scope, receive, send)`)."""
+        return JSONResponse(self.to_dict(), status_code=self.status, headers=self.headers)
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -210,8 +210,7 @@ class Ingress:
         try:
             start = await stream.__anext__()
         except Exception:
-            error = replica_failed()
-            return JSONResponse(error.to_dict(), status_code=error.status, headers=error.headers)
+            return replica_failed().response()
         return ReplayedResponse(start, stream)
 
 
