@@ -385,6 +385,7 @@ def test_quant_linear_lays_out_16_channels_as_the_build_says_and_keeps_the_bits(
              (random_blocks(12, 8, K, seed=9), 12), (random_blocks(8, 16, K, seed=10), 8),
              (random_blocks(6, 32, K, seed=11), 6), (random_blocks(2, 16, K, seed=12), 2)]
     x = torch.randn(3, K, dtype=torch.bfloat16)
+    monkeypatch.setenv("SPECDEC_QGEMM_Q5_0_AS_Q8_0", "0")  # (the file's layout for Q5_0 too: see the next test)
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "0")
     plain = QuantLinear(parts, K)
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "1")
@@ -399,6 +400,47 @@ def test_quant_linear_lays_out_16_channels_as_the_build_says_and_keeps_the_bits(
     monkeypatch.setenv("SPECDEC_QGEMM_X16", "2")
     with pytest.raises(ValueError, match="SPECDEC_QGEMM_X16"):
         QuantLinear(parts, K)
+
+
+def test_q5_0_widened_to_q8_0_gives_the_weights_and_the_bits_of_q5_0(monkeypatch):
+    """`widen_q5_0`: each block's scale and its weights (5-bit quant - 16) as Q8_0; a Q8_0 product of them is
+    the Q5_0 product bit for bit, on every build, for any rows; QuantLinear reads them where the build says."""
+    K = 800  # 25 blocks: the 512-bit kernels' groups of 8, a pair and an odd one
+    w = random_blocks(6, 24, K, seed=5)
+    wide = qgemm.widen_q5_0(w)
+    assert wide.shape == (24, K // 32 * 34)
+    raw = w.numpy().reshape(24, K // 32, 22)
+    high = raw[..., 2:6].copy().view(np.uint32)[..., 0]
+    quants = np.concatenate([raw[..., 6:] & 0x0F, raw[..., 6:] >> 4], -1).astype(np.int16)
+    quants |= (((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+    blocks = wide.numpy().reshape(24, K // 32, 34)
+    assert np.array_equal(blocks[..., :2], raw[..., :2])  # the scale as it was
+    assert np.array_equal(blocks[..., 2:].view(np.int8), quants - 16)
+    assert torch.equal(dequantize_rows(wide, 8, K), dequantize_rows(w, 6, K))
+    for M in (1, 2, 5, 11, 40):
+        x = torch.randn(M, K)
+        want = qgemm.qmm(x, [w], [6], isa="generic")
+        for isa in ISAS:
+            assert torch.equal(qgemm.qmm(x, [wide], [8], isa=isa), want), (isa, M)
+    parts = [(w, 6), (random_blocks(8, 8, K, seed=6), 8)]
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    monkeypatch.setenv("SPECDEC_QGEMM_X16", "0")
+    monkeypatch.setenv("SPECDEC_QGEMM_Q5_0_AS_Q8_0", "0")
+    plain = QuantLinear(parts, K)
+    monkeypatch.setenv("SPECDEC_QGEMM_Q5_0_AS_Q8_0", "1")
+    widened = QuantLinear(parts, K)
+    assert (plain.types, widened.types, widened.kernel_types) == ([6, 8], [8, 8], [8, 8])  # (no Q5_0 kept)
+    assert torch.equal(plain(x), widened(x))
+    ids = torch.tensor([0, 7, 30])
+    assert torch.equal(widened.dequantize_rows(ids), plain.dequantize_rows(ids))  # from the file's blocks
+    assert torch.equal(widened.select_rows(ids)(x), plain.select_rows(ids)(x))
+    monkeypatch.delenv("SPECDEC_QGEMM_Q5_0_AS_Q8_0")
+    assert qgemm.widens_q5_0() == (qgemm.best_isa() == "avx2")  # by default: on the AVX2 build only
+    monkeypatch.setenv("SPECDEC_QGEMM_Q5_0_AS_Q8_0", "yes")
+    with pytest.raises(ValueError, match="SPECDEC_QGEMM_Q5_0_AS_Q8_0"):
+        QuantLinear(parts, K)
+    with pytest.raises(RuntimeError, match="Q5_0 blocks"):
+        qgemm.widen_q5_0(w[:, :-1])
 
 
 @pytest.mark.real
@@ -424,6 +466,9 @@ def test_real_target_rows_are_invariant_for_every_block_type_in_the_files():
                 w16, xtype = qgemm.repack_x16(w, int(t.tensor_type)), qgemm.X16_TYPES[int(t.tensor_type)]
                 for M in (1, 2, 3, 6, 9, 64):
                     assert torch.equal(qgemm.qmm(x[:M], [w16], [xtype]), alone[:M]), (t.name, M)
+            if int(t.tensor_type) == 6:  # and read as Q8_0
+                for M in (1, 2, 3, 6, 9, 64):
+                    assert torch.equal(qgemm.qmm(x[:M], [qgemm.widen_q5_0(w)], [8]), alone[:M]), (t.name, M)
             ref = reference(x[:4].float(), w, int(t.tensor_type))
             y = qgemm.qmm(x[:4].float(), [w], [int(t.tensor_type)]).double()
             assert torch.allclose(y, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item()), t.name

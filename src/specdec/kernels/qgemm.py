@@ -107,6 +107,26 @@ def interleaves() -> bool:
     return best_isa() == "avx512vnni"
 
 
+def widens_q5_0() -> bool:
+    """Whether Q5_0 matrices are read as Q8_0 copies (`widen_q5_0`: 34 bytes a block instead of 22, the same
+    bits): on the AVX2 build, whose Q5_0 product is bound by unpacking the fifth bits (the default draft's
+    gate/up at ~4 GB/s against ~9 as Q8_0, on a 2-core Zen 1; docs/kernels.md). The 512-bit builds read
+    Q5_0 16 channels side by side or in tiles instead. `SPECDEC_QGEMM_Q5_0_AS_Q8_0=0|1` turns it off or on."""
+    forced = os.environ.get("SPECDEC_QGEMM_Q5_0_AS_Q8_0")
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"SPECDEC_QGEMM_Q5_0_AS_Q8_0={forced!r}; choose 0 or 1")
+        return forced == "1"
+    return best_isa() == "avx2"
+
+
+def widen_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks uint8 [N, K // 32 * 22] -> Q8_0 blocks [N, K // 32 * 34]: each block's fp16 scale and its
+    32 weights (5-bit quant - 16) as int8, which a Q8_0 product multiplies exactly as the Q5_0 kernels do.
+    Example: a block with scale 0.5, quant 3 (low nibble 3, fifth bit 0) -> weight 3 - 16 = -13."""
+    return ops().widen_q50_q80(blocks.contiguous())
+
+
 def repack_x16(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """Q4_K, Q6_K, Q4_0 or Q5_0 blocks uint8 [N, row_bytes] (N a multiple of 16) -> uint8 [N / 16, 16 x
     row_bytes] (Q4_K: K / 256 * 2368, the scales unpacked): each block of 16 channels interleaved (the

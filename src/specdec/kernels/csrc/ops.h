@@ -21,11 +21,12 @@ std::vector<int64_t> formats();  // the block formats' table, 4 numbers an entry
 bool uses_tiles();
 void set_pair_rows(int64_t mask);
 int64_t pair_rows();
-// repack/: the 16-channel layouts; quant/q32.h: a Q4_0 copy of Q8_0 / Q5_0 blocks
+// repack/: the 16-channel layouts; quant/q32.h: a Q8_0 copy of Q5_0 blocks, a Q4_0 copy of Q8_0 / Q5_0 blocks
 at::Tensor repack_q4k_x16(at::Tensor w);
 at::Tensor repack_q6k_x16(at::Tensor w);
 at::Tensor repack_q40_x16(at::Tensor w);
 at::Tensor repack_q50_x16(at::Tensor w);
+at::Tensor widen_q50_q80(at::Tensor w);
 at::Tensor requantize_q4_0(at::Tensor w, int64_t type);
 // ops/
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);

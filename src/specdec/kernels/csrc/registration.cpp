@@ -12,6 +12,7 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("repack_q6k_x16(Tensor w) -> Tensor", &repack_q6k_x16);
   m.def("repack_q40_x16(Tensor w) -> Tensor", &repack_q40_x16);
   m.def("repack_q50_x16(Tensor w) -> Tensor", &repack_q50_x16);
+  m.def("widen_q50_q80(Tensor w) -> Tensor", &widen_q50_q80);
   m.def("requantize_q4_0(Tensor w, int type) -> Tensor", &requantize_q4_0);
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);

@@ -1,5 +1,6 @@
 // Q4_0, Q5_0 and Q8_0 (GGML types 2, 6, 8): 32 weights and one fp16 scale a block; their dot products on
-// every build (`dot_q32`; 512-bit: `dot_q32_zg`), their `Format` entries, and the op `requantize_q4_0`.
+// every build (`dot_q32`; 512-bit: `dot_q32_zg`), their `Format` entries, and the ops `widen_q50_q80` and
+// `requantize_q4_0`.
 #pragma once
 #include "../format.h"
 #include "../isa/avx512.h"
@@ -141,6 +142,27 @@ constexpr Format kFormatQ5_0{kQ5_0, "Q5_0", 32, 22, 1, 0, &by_rows<Q32<kQ5_0>>, 
 constexpr Format kFormatQ8_0{kQ8_0, "Q8_0", 32, 34, 1, 0, &by_rows<Q32<kQ8_0>>, nullptr};
 
 }  // namespace
+
+// Q5_0 blocks [N, K / 32 * 22] -> Q8_0 blocks [N, K / 32 * 34]: each block's scale and its 32 weights as the
+// signed bytes the Q5_0 kernels compute from it (`q32_weights`), so a Q8_0 product of them is the Q5_0 one,
+// bit for bit, without the fifth bits' unpacking (the AVX2 build's Q5_0 product is bound by it).
+at::Tensor widen_q50_q80(at::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) % 22 == 0,
+              "widen_q50_q80: uint8 [N, K / 32 * 22] Q5_0 blocks");
+  w = w.contiguous();
+  const int64_t N = w.size(0), nb = w.size(1) / 22;
+  auto out = at::empty({N, nb * 34}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N * nb, 16384, [&](int64_t b0, int64_t b1) {
+    for (int64_t k = b0; k < b1; ++k) {
+      const VI q = q32_weights<kQ5_0>(src + k * 22);
+      std::memcpy(dst + k * 34, src + k * 22, 2);
+      std::memcpy(dst + k * 34 + 2, &q, 32);
+    }
+  });
+  return out;
+}
 
 // Q8_0 or Q5_0 blocks [N, row_bytes] -> Q4_0 blocks [N, K / 32 * 18]: each block's values as the file gives
 // them (d x quant, in fp32), quantized as ggml's reference quantizer does (`quantize_q4_0` in qgemm.py: the
