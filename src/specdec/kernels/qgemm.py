@@ -99,12 +99,8 @@ def interleaves() -> bool:
     side at load (`repack_x16`): on the AVX-512 VNNI build (not the AMX one, whose tiles read the file's
     layout), where the kernels on that layout keep the channels in the vector lanes and do a fraction of the
     work per block (the same bits). `SPECDEC_QGEMM_X16=0|1` turns it off or on (on other builds: a portable loop, slow)."""
-    forced = os.environ.get("SPECDEC_QGEMM_X16")
-    if forced:
-        if forced not in ("0", "1"):
-            raise ValueError(f"SPECDEC_QGEMM_X16={forced!r}; choose 0 or 1")
-        return forced == "1"
-    return best_isa() == "avx512vnni"
+    forced = _switch("SPECDEC_QGEMM_X16")
+    return best_isa() == "avx512vnni" if forced is None else forced
 
 
 def widens_q5_0() -> bool:
@@ -112,12 +108,18 @@ def widens_q5_0() -> bool:
     bits): on the AVX2 build, whose Q5_0 product is bound by unpacking the fifth bits (the default draft's
     gate/up at ~4 GB/s against ~9 as Q8_0, on a 2-core Zen 1; docs/kernels.md). The 512-bit builds read
     Q5_0 16 channels side by side or in tiles instead. `SPECDEC_QGEMM_Q5_0_AS_Q8_0=0|1` turns it off or on."""
-    forced = os.environ.get("SPECDEC_QGEMM_Q5_0_AS_Q8_0")
-    if forced:
-        if forced not in ("0", "1"):
-            raise ValueError(f"SPECDEC_QGEMM_Q5_0_AS_Q8_0={forced!r}; choose 0 or 1")
-        return forced == "1"
-    return best_isa() == "avx2"
+    forced = _switch("SPECDEC_QGEMM_Q5_0_AS_Q8_0")
+    return best_isa() == "avx2" if forced is None else forced
+
+
+def _switch(variable: str) -> bool | None:
+    """An on/off environment variable: "1" True, "0" False, unset or empty None; anything else refused."""
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{variable}={value!r}; choose 0 or 1")
+    return value == "1"
 
 
 def widen_q5_0(blocks: torch.Tensor) -> torch.Tensor:
