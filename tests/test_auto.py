@@ -19,7 +19,7 @@ from specdec.speculative.auto import AutoProposer
 from specdec.speculative.costs import CostModel
 from specdec.speculative.head_proposers import MedusaProposer
 from specdec.speculative.draft_model import DraftModelProposer
-from specdec.speculative.proposers import SuffixProposer
+from specdec.speculative.proposers import Draft, SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 from test_engine_tiny import (BATCH_REQUESTS, GREEDY, MAX_LEN, PROMPTS, SpeculationPays, assert_metrics_consistent,
                               draft, generate, plain, run, target)
@@ -130,6 +130,28 @@ def test_nothing_is_drafted_where_no_draft_can_pay():
         assert out.metrics.num_drafts <= 2, out.metrics.to_dict()
         assert set(out.metrics.drafters) <= {"draft_model"}
         assert all(c[1] == c[0] for c in out.metrics.drafters.values())  # probes draft one token
+
+
+def test_a_row_whose_trie_drafts_are_not_verified_relaxes_its_lean_each_step():
+    """AutoProposer's rows: a step whose draft holds no labelled token (none, or a draft model's) decays the
+    row's lean toward 1, as a learning step does, so a row cut for early misses drafts from the trie again."""
+
+    class Seq:
+        request_id = "r"
+
+    class Trie:  # only what `AutoProposer` asks of the trie here
+        guess_kinds = 20
+
+        def observe(self, *args) -> None:
+            pass
+
+    auto, seq = AutoProposer(Trie()), Seq()
+    row = auto._row(seq)
+    row.lean.kind_accepted, row.lean.kind_expected = 0.0, 1.8  # two 1-token misses at ~0.9
+    before = row.lean.lean
+    for _ in range(10):
+        auto.observe([seq], [Draft([])], [None])
+    assert row.lean.kind_expected == pytest.approx(1.8 * 0.95 ** 10) and before < row.lean.lean < 1.0
 
 
 def test_a_fixed_k_draft_model_drafts_k_tokens_where_it_pays_and_nothing_where_no_draft_can():

@@ -411,6 +411,29 @@ def test_kind_rates_count_the_verified_tokens_of_each_kind_and_each_sequences_le
     assert 0.4 < rates.rate(0) < 0.6 and est.lean < 0.5 < 1.5 < other.lean
 
 
+def test_a_sequence_whose_drafts_are_cut_for_its_misses_drafts_again_once_they_are_old():
+    """Three early misses make a sequence's lean cut every later draft where a row costs half a pass; steps
+    without a verified labelled token relax the lean as learning steps do, so its drafts pay again and are
+    tried (before, its drafts stayed cut for the whole request: the lean only moved when a draft was verified)."""
+    controller = SpeculationController(24, adaptive=True, guess_kinds=4)
+    controller.costs = _pass_costs(0.5)
+    controller.policy = _learned({0: 0.8})
+    est = controller.new_estimate()
+    for _ in range(3):
+        controller.report(StepReport(1, 24, None, 2, None, [(est, 1, 0)], kinds=[(est, [0], 0)]))
+    assert est.lean < 0.5
+    assert controller.cut([Draft([9], kinds=[0])], [est])[0].tokens == []  # 0.8 x lean pays no half-pass row
+    steps = 0
+    while not controller.cut([Draft([9], kinds=[0])], [est])[0].tokens:
+        controller.report(StepReport(1, 24, None, 1, None, [(est, 0, 0)]))  # a step with nothing drafted
+        steps += 1
+        assert steps < 40
+    assert steps >= 5 and est.lean > 0.6  # not at once: the misses count for some steps (~13)
+    other = controller.new_estimate()  # a sequence that learned this step is not relaxed on top of it
+    controller.report(StepReport(1, 24, None, 2, None, [(other, 1, 0)], kinds=[(other, [0], 0)]))
+    assert other.kind_expected == pytest.approx(controller.policy.rates.rate(0), rel=0.05)
+
+
 def _pass_costs(per_row: float) -> CostModel:
     costs = CostModel()
     for rows in (1, 2, 5):

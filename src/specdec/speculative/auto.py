@@ -226,9 +226,11 @@ class AutoProposer(Proposer):
             self.second.observe(seqs, drafts, verdicts, hidden)
         self.policy.rates.step()
         for seq, draft, verdict in zip(seqs, drafts, verdicts):
+            row = self._row(seq)
+            if not draft.tokens or (draft.kinds is None and row.tree is None):  # no labelled token verified
+                self.policy.rates.relax(row.lean)
             if not draft.tokens:
                 continue
-            row = self._row(seq)
             if draft.parents is not None and row.tree is not None:  # each branch learns what it got
                 trie_kinds, heads_kinds = row.tree
                 path = verdict.kept()
