@@ -432,7 +432,7 @@ def test_q5_0_widened_to_q8_0_gives_the_weights_and_the_bits_of_q5_0(monkeypatch
     assert (plain.types, widened.types, widened.kernel_types) == ([6, 8], [8, 8], [8, 8])  # (no Q5_0 kept)
     assert torch.equal(plain(x), widened(x))
     ids = torch.tensor([0, 7, 30])
-    assert torch.equal(widened.dequantize_rows(ids), plain.dequantize_rows(ids))  # from the file's blocks
+    assert torch.equal(widened.dequantize_rows(ids), plain.dequantize_rows(ids))  # from the Q8_0 copy
     assert torch.equal(widened.select_rows(ids)(x), plain.select_rows(ids)(x))
     monkeypatch.delenv("SPECDEC_QGEMM_Q5_0_AS_Q8_0")
     assert qgemm.widens_q5_0() == (qgemm.best_isa() == "avx2")  # by default: on the AVX2 build only

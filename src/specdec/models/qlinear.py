@@ -7,7 +7,7 @@ looks up. Weights in types the kernels do not run (Q4_1, Q5_1, the other k-quant
 matrices) are requantized once to Q8_0 at load; a model can also have every matrix requantized to Q8_0 or
 Q4_0 (`load_quantized` methods `q8_0`, `q4_0`: a smaller, faster draft). On the AVX2 build Q5_0 matrices
 are widened to Q8_0 copies at load (`qgemm.widens_q5_0`: the same bits, 1.55x their bytes, the 0.5B draft
-~1.17x faster to decode).
+~1.19x faster to decode).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class QuantLinear(nn.Module):
         for i, (w, _) in enumerate(parts):
             self.register_buffer(f"blocks_{i}", w.contiguous(), persistent=False)
         # what the kernels read: Q4_K / Q6_K / Q4_0 / Q5_0 parts 16 channels interleaved where that build runs
-        # them faster (the same bits); the file's blocks stay for select_rows / dequantize_rows
+        # them faster (the same bits); `blocks` (the file's, or a widened part's Q8_0 copy) stay for
+        # select_rows / dequantize_rows
         self.kernel_types = list(self.types)
         self._kernel_buffers = [f"blocks_{i}" for i in range(len(parts))]
         interleave = interleaves()

@@ -13,8 +13,8 @@ import json
 import uuid
 from typing import Any, ClassVar, Literal
 
-from starlette.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from starlette.responses import JSONResponse
 
 from specdec.config import MAX_TEMPERATURE
 from specdec.server.tool_calls import ToolCallParser
