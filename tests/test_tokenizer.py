@@ -15,6 +15,7 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 from tokenizers import pre_tokenizers
 
+from specdec.models import tokenizer as tokenizer_module
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CHATML = (
@@ -191,6 +192,31 @@ def test_fewest_tokens_weighs_runs_and_other_bytes_apart(tiny):
     assert tiny.fewest_tokens("") == 0
 
 
+def test_fewest_tokens_with_enough_weighs_pieces_and_may_stop_past_it(tiny, monkeypatch):
+    """Weighed in pieces, a run across a piece's edge weighs as a run (each byte is classed by its neighbours
+    in the whole text), so the bound is the whole text's unless it passes `enough`; then it is still a lower
+    bound, past `enough`, from the pieces read so far."""
+    monkeypatch.setattr(tokenizer_module, "WEIGH_PIECE", 7)
+    for text in ("abcdef" * 100, "x" * 1300, "ab" + "x" * 13 + "cd" * 9, "é" * 100, "aab" * 50, ""):
+        whole = tiny.fewest_tokens(text)
+        assert tiny.fewest_tokens(text, enough=whole) == whole  # never past it: every piece weighed
+        if whole > 2:
+            early = tiny.fewest_tokens(text, enough=whole // 2)
+            assert whole // 2 < early <= whole
+    assert tiny.fewest_tokens("abcdef" * 100, enough=5) < tiny.fewest_tokens("abcdef" * 100)  # it stopped
+
+
+@pytest.mark.parametrize("data", [b"", b"a", b"ab", b"aa", b"abbbc", b"aabaa", b"xyyzzz w", bytes(range(40)) * 2 + b"qq"])
+def test_repeating_bytes_of_pieces_add_up_to_the_whole(data):
+    """Each byte counts where it equals a neighbour in the whole data, whichever piece it is counted in."""
+    whole = sum(1 for i, b in enumerate(data)
+                if (i > 0 and data[i - 1] == b) or (i + 1 < len(data) and data[i + 1] == b))
+    assert tokenizer_module._repeating_bytes(data) == whole
+    for cut in range(len(data) + 1):
+        assert tokenizer_module._repeating_bytes(data, 0, cut) + tokenizer_module._repeating_bytes(data, cut) == whole
+    assert tokenizer_module._repeating_bytes(b"abbbc", 0, 3) == 2  # byte 2 repeats byte 3, outside the piece
+
+
 def test_special_token_text_in_messages_is_plain_text(tiny):
     """`<|im_start|>system` typed in a message is tokenized as its characters; the template's own turns stay
     control tokens; with special_text=True (the old behaviour) the typed text becomes control tokens too."""
@@ -351,3 +377,6 @@ def test_real_fewest_tokens_bounds_and_refuses_megabytes(real):
         assert 0 < tok.fewest_tokens(text) <= len(tok.encode(text))
     assert tok.fewest_tokens(" hello" * 500_000) > 32_768
     assert tok.fewest_tokens(" " * 3_000_000) == 23_438
+    # a refusal's question (more than 32,767?) weighs two thirds of the prose, and all of the spaces
+    assert 32_767 < tok.fewest_tokens(" hello" * 500_000, enough=32_767) < tok.fewest_tokens(" hello" * 500_000)
+    assert tok.fewest_tokens(" " * 3_000_000, enough=32_767) == 23_438

@@ -53,6 +53,8 @@ PRE_TOKENIZERS = {
     "gpt-2": (None, lambda: _gpt2_split(individual_digits=False)),
 }
 
+WEIGH_PIECE = 1 << 18  # bytes `fewest_tokens` weighs at a time when it may stop early
+
 # Texts llama.cpp treats as end of generation when the vocabulary marks them CONTROL (llama-vocab.cpp).
 EOG_TEXTS = (
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
@@ -183,7 +185,7 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def fewest_tokens(self, text: str) -> int:
+    def fewest_tokens(self, text: str, enough: int | None = None) -> int:
         """A lower bound on `len(encode(text))` in linear time, to refuse an over-long prompt before paying
         for its tokenization (a 3 MB prompt takes ~3.5 s to tokenize). Byte-level BPE covers every byte of
         the normalized text with tokens. Give each byte a weight: 1/`longest` (the most bytes one token
@@ -191,7 +193,10 @@ class Tokenizer:
         1/`spread` otherwise, where `spread` (`_token_spans`) is chosen so that no token of the vocabulary
         weighs more than 1. The text's total weight is then at most its number of tokens. 0 (no bound) for
         tokenizers that are not byte-level or normalize other than by NFC. Example, Qwen2.5 (`longest` 128,
-        `spread` ~13): 3 MB of English prose -> at least ~220k tokens; 3 MB of spaces -> 23,438."""
+        `spread` 48): 3 MB of English prose -> at least 59,788 tokens; 3 MB of spaces -> 23,438.
+        With `enough`, the text is weighed a piece at a time and weighing stops once the bound exceeds `enough`
+        (the answer is then a bound > `enough`, not the whole text's): a refusal reads what it needs, ~1.8 MB
+        of that prose for a context of 32768 (2.2 -> 1.0 ms on an AVX2 EPYC core)."""
         spans = self._token_spans
         if spans is None:
             return 0
@@ -202,8 +207,13 @@ class Tokenizer:
             # NFC will change the text: it makes at most 3 bytes of UTF-8 into 1 (the worst: the 6 bytes of
             # iota, diaeresis and acute into U+0390's 2; checked over every code point's decomposition)
             return -(-len(data) // 3 // longest)
-        repeats = _repeating_bytes(data)
-        weight = Fraction(len(data) - repeats) / spread + Fraction(repeats, longest)
+        weight, piece = Fraction(0), max(len(data), 1) if enough is None else WEIGH_PIECE
+        for start in range(0, len(data), piece):
+            stop = min(start + piece, len(data))
+            repeats = _repeating_bytes(data, start, stop)
+            weight += Fraction(stop - start - repeats) / spread + Fraction(repeats, longest)
+            if enough is not None and weight > enough:
+                break
         return math.ceil(weight)
 
     @cached_property
@@ -444,13 +454,20 @@ def token_spans(backend, vocab_size: int) -> tuple[int, Fraction] | None:
     return longest, spread
 
 
-def _repeating_bytes(data: bytes) -> int:
-    """How many bytes of `data` equal the byte before or after them (the bytes of runs)."""
+def _repeating_bytes(data: bytes, start: int = 0, stop: int | None = None) -> int:
+    """How many bytes of `data[start:stop]` equal the byte before or after them in `data` (the bytes of
+    runs). Example: b"abbbc" -> 3; its bytes 0..2 -> 2 (byte 2 repeats byte 3, outside the piece)."""
     a = np.frombuffer(data, dtype=np.uint8)
-    if a.size < 2:
+    stop = a.size if stop is None else stop
+    lo, hi = max(start - 1, 0), min(stop + 1, a.size)  # the piece and its neighbours
+    w = a[lo:hi]
+    if stop - start < 1 or w.size < 2:
         return 0
-    same = a[1:] == a[:-1]  # byte i + 1 repeats byte i: both count; a byte inside a run counted once
-    return 2 * int(np.count_nonzero(same)) - int(np.count_nonzero(same[1:] & same[:-1]))
+    same = w[1:] == w[:-1]  # byte j + 1 repeats byte j: both count
+    repeats = np.zeros(w.size, dtype=bool)
+    repeats[1:] = same
+    repeats[:-1] |= same
+    return int(np.count_nonzero(repeats[start - lo:stop - lo]))
 
 
 def _byte_level_alphabet() -> dict[int, str]:

@@ -38,9 +38,12 @@ def refuse_if_too_long(tokenizer, text: str, context: int | None, param: str, co
     """Refuse, before tokenizing it, a `text` that certainly does not fit the `context` with
     `completion_room` tokens to spare (`Tokenizer.fewest_tokens`), as the context check after tokenizing
     would (a 3 MB prompt took 3.6 s to tokenize)."""
-    if context is not None and (at_least := tokenizer.fewest_tokens(text)) > context - completion_room:
+    if context is None:
+        return
+    most = context - completion_room
+    if (at_least := tokenizer.fewest_tokens(text, enough=most)) > most:  # (it may stop weighing past `most`)
         room = ", leaving room for one completion token" if completion_room else ""
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} has "
                             f"at least {at_least} tokens ({len(text)} characters): at most "
-                            f"{context - completion_room} prompt tokens fit{room}.", param=param,
+                            f"{most} prompt tokens fit{room}.", param=param,
                        code="context_length_exceeded")

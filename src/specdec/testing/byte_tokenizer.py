@@ -25,7 +25,7 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
-    def fewest_tokens(self, text: str) -> int:
+    def fewest_tokens(self, text: str, enough: int | None = None) -> int:
         return len(text)  # a character is one to four bytes
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
