@@ -198,6 +198,56 @@ def test_a_query_that_sees_no_key_gets_zeros():
     assert torch.equal(out, reference_attention(q, keys, values, visible))
 
 
+def paged(keys: torch.Tensor, page: int, pool: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keys` [B, KV, capacity, D] laid out as pages of `page` slots at shuffled places of a pool of `pool`
+    pages (the others random): (pool [pool, KV, page, D], table [B, capacity / page])."""
+    B, KV, cap, D = keys.shape
+    n = cap // page
+    order = torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[:B * n]
+    table = order.view(B, n)
+    out = torch.randn(pool, KV, page, D, generator=torch.Generator().manual_seed(seed + 1)).to(keys.dtype)
+    out[table.flatten()] = keys.unflatten(2, (n, page)).transpose(1, 2).flatten(0, 1)
+    return out, table
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page", [16, 64, 80])
+def test_paged_keys_give_the_bits_of_contiguous_rows(dtype, page):
+    """Keys and values in pages anywhere in a pool, read through each sequence's page table (paged K/V): every
+    query's bits are those of the rows laid out whole, for a batch of chains (1 to 80 rows: blocks of 64 keys
+    that span pages of 16, or pages of 80 that blocks cross), a tree's scattered slots across pages, and 1 or
+    2 threads."""
+    T = 80
+    q, keys, values, visible = causal_case(dtype, B=2, T=T, committed=(200, 37), capacity=320)
+    whole = attention(q, keys, values, visible, None)
+    kp, table = paged(keys, page, pool=2 * 320 // page + 5)
+    vp, _ = paged(values, page, pool=2 * 320 // page + 5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(attention(q, kp, vp, visible, None, table), whole), n
+    finally:
+        torch.set_num_threads(threads)
+    for rows in (1, 4, 17):
+        assert torch.equal(attention(q[:, :rows], kp, vp, visible[:, :rows], None, table), whole[:, :rows])
+    key_index = torch.arange(visible.shape[-1]).expand(2, T, -1).clone()  # a tree: slots 241.. scattered
+    key_index[:, :, 200:203] = torch.tensor([250, 215, 301])
+    assert torch.equal(attention(q, kp, vp, visible, key_index, table), attention(q, keys, values, visible, key_index))
+
+
+def test_page_tables_are_checked():
+    q, keys, values, visible = causal_case(F32, T=2, committed=(10,), capacity=64)
+    kp, table = paged(keys, 16, pool=6)
+    vp, _ = paged(values, 16, pool=6)
+    with pytest.raises(RuntimeError, match="a page outside the cache"):
+        attention(q, kp, vp, visible, None, torch.full_like(table, 6))
+    with pytest.raises(RuntimeError, match="more key slots than the cache holds"):
+        attention(q, kp, vp, visible, None, table[:, :0])
+    with pytest.raises(RuntimeError, match="pages"):
+        attention(q, kp, vp, visible, None, table.int())
+
+
 # ------------------------------------------------------------------------- long contexts, end to end
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):

@@ -36,9 +36,14 @@ def cache(rows: int = 4) -> KVCache:
 
 
 def fill(c: KVCache, row: int, value: float, n: int) -> None:
-    c.keys[0][row, :, :n] = value
     c.clear(row)
+    c.reserve(row, n)
+    c.keys[0][c.pages[row]] = value  # (one page of 16 slots holds the row)
     c.advance(row, n)
+
+
+def first_key(c: KVCache, row: int) -> float:
+    return float(c.gather(c.keys[0], row + 1, 1)[row, 0, 0, 0])
 
 
 def test_the_scheduler_keeps_rows_packed_in_every_cache():
@@ -59,13 +64,14 @@ def test_the_scheduler_keeps_rows_packed_in_every_cache():
     scheduler.remove(b)
     assert scheduler.running == [a, c] and (c.row, d.row) == (1, 2) and scheduler.prefilling is d
     assert target.lengths == [1, 3, 2, 0] and draft.lengths == [1, 3, 0, 0]
-    assert float(target.keys[0][1, 0, 0, 0]) == 3.0 and float(target.keys[0][2, 0, 0, 0]) == 9.0
+    assert first_key(target, 1) == 3.0 and first_key(target, 2) == 9.0
+    assert sum(map(len, target.pages)) + len(target.free) == target.num_pages  # b's page back in the pool
     scheduler.remove(c)  # the last running one leaves: nothing moves but the joining one
     assert scheduler.running == [a] and d.row == 1 and target.lengths == [1, 2, 0, 0]
     scheduler.remove(d)
     assert scheduler.prefilling is None and target.lengths == [1, 0, 0, 0] and scheduler.has_unfinished()
     scheduler.remove(a)
-    assert not scheduler.has_unfinished()
+    assert not scheduler.has_unfinished() and len(target.free) == target.num_pages
 
 
 def test_the_scheduler_starts_one_joining_sequence_while_the_batch_has_room():

@@ -1,9 +1,9 @@
-"""Rows that trade number for length (issue 31's interim for paged K/V): short sequences run `max_batch_size`
-at once in short rows, a long one in fewer, longer rows of the same slots, with the requests behind it
-waiting. Greedy outputs stay exactly the unbatched plain ones (every proposer kind with a cache of its own
-or none, with and without prefix-cache hits); the memory plan serves the model's whole context by default
-without taking the prefix cache or the batch of short requests, and lowers it only when one sequence does
-not fit."""
+"""Paged K/V rows (issue 31): every cache's rows take pages of one pool as their sequences grow, so a long
+sequence runs beside short ones while their lengths fit the pool, and waits, with the requests behind it,
+while they do not. Greedy outputs stay exactly the unbatched plain ones (every proposer kind with a cache of
+its own or none, with and without prefix-cache hits); the memory plan serves the model's whole context by
+default without taking the prefix cache or the batch of short requests, and lowers it only when one
+sequence does not fit."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.engine.memory import GiB, MemoryBudgetError, plan_memory
-from specdec.models.kv_cache import KVCache
+from specdec.models.kv_cache import PAGE, KVCache, KVCacheFull
 from test_engine_tiny import MAX_LEN, make_proposer, run, target
 from test_prefix_cache import KINDS, make_engine
 
@@ -41,55 +41,79 @@ def unbatched(prompt, max_tokens: int) -> tuple[int, ...]:
 
 def test_reshape_keeps_the_rows_that_remain():
     cache = KVCache(target("fp32").config, 4, 64, torch.float32)
+    cache.reserve(0, 30)
     for k in cache.keys:
         k.normal_()
     cache.lengths = [30, 0, 0, 0]
-    before = [k[0, :, :30].clone() for k in cache.keys]
+    before = [cache.gather(k, 1, 30).clone() for k in cache.keys]
     cache.reshape(1, 200)
-    assert (cache.batch_size, cache.capacity, cache.lengths) == (1, 256, [30])  # whole key blocks of 64
-    assert all(torch.equal(k[0, :, :30], b) for k, b in zip(cache.keys, before))
-    cache.reshape(4, 64)
-    assert (cache.batch_size, cache.capacity, cache.lengths) == (4, 64, [30, 0, 0, 0])
-    assert all(torch.equal(k[0, :, :30], b) for k, b in zip(cache.keys, before))
+    assert (cache.batch_size, cache.capacity, cache.lengths, cache.num_pages) == (1, 256, [30], 16)  # blocks of 64
+    assert all(torch.equal(cache.gather(k, 1, 30), b) for k, b in zip(cache.keys, before))
+    cache.reshape(4, 64, num_pages=5)
+    assert (cache.batch_size, cache.capacity, cache.lengths, cache.num_pages) == (4, 64, [30, 0, 0, 0], 5)
+    assert all(torch.equal(cache.gather(k, 1, 30), b) for k, b in zip(cache.keys, before))
+    assert len(cache.free) == 3  # row 0's 2 pages kept
     cache.lengths = [30, 5, 0, 0]
     with pytest.raises(ValueError, match="cannot reshape"):
         cache.reshape(1, 256)  # row 1 holds tokens
-    cache.lengths = [100, 0, 0, 0]
+    cache.lengths = [30, 0, 0, 0]
     with pytest.raises(ValueError, match="cannot reshape"):
-        cache.reshape(4, 64)  # row 0 is longer than that
+        cache.reshape(4, 64, num_pages=1)  # row 0 holds 2 pages
+
+
+def test_rows_take_pages_as_they_grow_and_give_them_back():
+    """Rows share one pool: a row takes the pages of the slots a pass writes, keeps them through rollback,
+    gives them to the row it moves to, and back to the pool when cleared; a pass past the pool is refused
+    before anything is written."""
+    model = target("fp32")
+    cache = model.new_cache(3, 128, num_pages=8)  # 3 rows of up to 128 slots, 128 slots in all
+    assert (cache.num_pages, len(cache.free)) == (8, 8)
+    model(torch.tensor([list(range(1, 41))]), torch.arange(40)[None], cache.row_view(1))  # row 1: 40 slots
+    assert (len(cache.pages[1]), len(cache.free)) == (3, 5)
+    cache.advance(1, 40)
+    cache.truncate(1, 10)  # rollback keeps the pages
+    assert len(cache.pages[1]) == 3
+    pages = list(cache.pages[1])
+    cache.move_row(1, 0)
+    assert (cache.pages[0], cache.pages[1], cache.lengths[:2]) == (pages, [], [10, 0])
+    with pytest.raises(KVCacheFull, match="5 free pages"):
+        cache.reserve(2, 128)  # 8 pages: more than are free
+    assert cache.pages[2] == [] and len(cache.free) == 5  # nothing taken
+    cache.clear(0)
+    assert len(cache.free) == 8
+    with pytest.raises(ValueError, match="exceeds the KV cache capacity"):
+        cache.reserve(2, 129)
 
 
 @pytest.mark.parametrize("prefix_blocks", [0, 64], ids=["no prefix cache", "prefix cache"])
 @pytest.mark.parametrize("kind,k", [("plain", 0), ("ngram", 3), ("noisy copy", 4)])
 def test_a_long_sequence_among_short_ones_keeps_every_output_exact(kind, k, prefix_blocks):
-    """4 rows of 64 slots share 256: the long request waits for the batch to empty, runs alone in one row
-    of 256, the short ones behind it wait, and the rows go back to 4 when it leaves."""
+    """4 rows share a pool of 256 slots (+ the drafts' pads): the long request (210 slots) joins beside the
+    short ones while their lengths fit, waits while they do not, the short ones behind it wait for it, and
+    every output is the unbatched one."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=4)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN, max_batch_size=4,
-                    row_tokens=MAX_LEN, prefix_cache_blocks=prefix_blocks, prefix_block_size=8, prefill_chunk=48)
-    short_rows = (engine.cache.batch_size, engine.cache.capacity)
-    assert short_rows[0] == 4 and short_rows[1] < len(LONG)
-    shapes, batches = [], []
+                    row_tokens=MAX_LEN, prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=48)
+    assert engine.cache.batch_size == 4 and engine.cache.capacity >= MAX_LEN
+    pool = engine.cache.num_pages
+    batches = []
 
     def on_step(_outputs):
-        shapes.append((engine.cache.batch_size, engine.cache.capacity))
-        batches.append(len(engine.running) + (engine.prefilling is not None))
-        assert engine.cache.batch_size * engine.cache.capacity <= 4 * short_rows[1]  # never more slots
+        ids = [s.request_id for s in engine.running] + ([engine.prefilling.request_id] if engine.prefilling else [])
+        batches.append(ids)
+        held = sum(map(len, engine.cache.pages))
+        assert held + len(engine.cache.free) == pool and held * PAGE <= pool * PAGE  # no page lost or shared
         if engine.proposer.cache is not None:
-            assert engine.proposer.cache.batch_size == engine.cache.batch_size
+            assert sum(map(len, engine.proposer.cache.pages)) <= engine.proposer.cache.num_pages
 
     requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                 for rid, prompt, n, _ in REQUESTS]
     finals = run(engine, requests, join_at=[at for *_, at in REQUESTS], on_step=on_step)
     for rid, prompt, n, _ in REQUESTS:
         assert tuple(finals[rid].token_ids) == unbatched(prompt, n), f"request {rid}"
-    long_rows = [(rows, slots) for rows, slots in shapes if slots >= len(LONG) + 40]
-    assert long_rows and all(rows < 4 for rows, _ in long_rows)
-    assert shapes[0] == short_rows
-    after = run(engine, [("e", (5, 5, 5, 5), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))])
-    assert (engine.cache.batch_size, engine.cache.capacity) == short_rows  # and back, at the next join
-    assert tuple(after["e"].token_ids) == unbatched((5, 5, 5, 5), 12)
-    assert max(b for b, shape in zip(batches, shapes) if shape == short_rows) == 2  # a, b; then c, d
+    assert any("long" in ids and len(ids) > 1 for ids in batches)  # beside short ones
+    assert not any("long" in ids and "again" in ids for ids in batches)  # two long ones do not fit together
+    assert len(engine.cache.free) == pool  # every page back
     assert finals["again"].metrics.cached_tokens == (len(LONG) - 1) * (prefix_blocks > 0)  # blocks and a tail
 
 
@@ -148,10 +172,10 @@ def test_long_rows_for_every_proposer_with_prefix_hits(kind):
     assert finals["again"].metrics.cached_tokens > 0
 
 
-def test_one_row_starts_short_and_grows_for_a_long_request():
-    """A one-sequence engine (as `LLM.engine_for` makes for `specdec bench`) with rows of 64 of 256 slots."""
+def test_one_row_takes_the_pages_a_long_request_needs():
+    """A one-sequence engine (as `LLM.engine_for` makes for `specdec bench`): its row holds up to the context."""
     engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy"), 3, max_model_len=MAX_LEN,
-                    row_tokens=MAX_LEN, row_len=64)
-    assert (engine.cache.batch_size, engine.cache.capacity) == (1, 128)  # 64 + the widest draft, whole blocks
+                    row_tokens=MAX_LEN)
+    assert engine.cache.batch_size == 1 and engine.cache.capacity >= MAX_LEN
     out = run(engine, [("long", LONG, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))])["long"]
-    assert engine.cache.capacity >= len(LONG) + 40 and tuple(out.token_ids) == unbatched(LONG, 40)
+    assert tuple(out.token_ids) == unbatched(LONG, 40)

@@ -151,9 +151,10 @@ def test_batched_rows_of_different_lengths_match_single_rows():
     for row, seq in enumerate([a, b]):  # prefill each row alone, as the engine does
         single = model.new_cache(1, 64)
         model(seq, torch.arange(seq.shape[1])[None], single)
+        batch.reserve(row, seq.shape[1])  # its pages in the batch's pool, then the row's K/V copied in
         for layer in range(len(single.keys)):
-            batch.keys[layer][row] = single.keys[layer][0]
-            batch.values[layer][row] = single.values[layer][0]
+            batch.keys[layer][batch.pages[row]] = single.keys[layer][single.pages[0]]
+            batch.values[layer][batch.pages[row]] = single.values[layer][single.pages[0]]
         batch.lengths[row] = seq.shape[1]
     positions = torch.tensor([[9, 10, 11], [4, 5, 6]])
     got = model(step, positions, batch)

@@ -255,26 +255,38 @@ def test_block_keys_cover_the_whole_prefix_and_the_salt():
     assert not set(salted) & set(keys) and salted == block_keys(list(A), 8, "s") != block_keys(list(A), 8, "t")
 
 
-def random_rows() -> tuple[KVCache, KVCache, PrefixCache]:
-    """A cache of 2 rows of random K/V, an empty one of 1 row, and a pool of 4 blocks of 8 for the first ("x")."""
+def random_rows(block_size: int = 8) -> tuple[KVCache, KVCache, PrefixCache]:
+    """A cache of 2 rows of random K/V (row 0 in pages 0..3, row 1 in the pool's last 4 pages, backwards), an
+    empty one of 1 row, and a pool of 4 blocks of `block_size` for the first ("x")."""
     config = target("fp32").config
     src, dst = KVCache(config, 2, 64, torch.float32), KVCache(config, 1, 64, torch.float32)
+    src.reserve(0, 64)
+    src.free.reverse()  # row 1's pages: 4, 5, 6, 7 taken from the other end
+    src.reserve(1, 64)
+    assert src.pages == [[0, 1, 2, 3], [7, 6, 5, 4]]
     gen = torch.Generator().manual_seed(0)
     for t in src.keys + src.values:
         t.copy_(torch.randn(t.shape, generator=gen))
-    return src, dst, PrefixCache({"x": src}, num_blocks=4, block_size=8)
+    return src, dst, PrefixCache({"x": src}, num_blocks=4, block_size=block_size)
 
 
-@pytest.mark.parametrize("shift", [0, 1])
-def test_saved_blocks_load_back_the_slots_they_were_copied_from(shift):
-    """Three blocks of row 1 saved, loaded into row 0 of another cache: the same bits in slots [0, 24 - shift)
-    (shift 1: block i holds slots [8i - 1, 8i + 7), EAGLE's pairs), and the row's length set."""
-    src, dst, pc = random_rows()
-    keys = block_keys(list(range(30)), 8)[:3]
+def slots(cache: KVCache, layer_cache: torch.Tensor, row: int, n: int) -> torch.Tensor:
+    """The first `n` slots of `row` of one layer's keys or values: [kv_heads, n, head_dim]."""
+    return cache.gather(layer_cache, row + 1, n)[row]
+
+
+@pytest.mark.parametrize("block_size,shift", [(8, 0), (8, 1), (16, 0), (16, 1)])
+def test_saved_blocks_load_back_the_slots_they_were_copied_from(block_size, shift):
+    """Three blocks of row 1 saved, loaded into row 0 of another cache: the same bits in slots
+    [0, 3 * block_size - shift) (shift 1: block i holds slots [8i - 1, 8i + 7), EAGLE's pairs), and the row's
+    length set. Blocks of a page (16) with shift 0 are copied page by page, the others slot by slot."""
+    src, dst, pc = random_rows(block_size)
+    n = 3 * block_size - shift
+    keys = block_keys(list(range(60)), block_size)[:3]
     pc.save("x", keys, src, 1, shift)
-    assert pc.load("x", pc.lookup(keys), dst, 0, shift) == 24 - shift == dst.lengths[0]
+    assert pc.load("x", pc.lookup(keys), dst, 0, shift) == n == dst.lengths[0]
     for a, b in zip(src.keys + src.values, dst.keys + dst.values):
-        assert torch.equal(b[0, :, :24 - shift], a[1, :, :24 - shift])
+        assert torch.equal(slots(dst, b, 0, n), slots(src, a, 1, n))
 
 
 def test_runs_of_consecutive_block_ids():
@@ -298,13 +310,13 @@ def test_blocks_saved_into_evicted_blocks_out_of_order_load_back_the_same_bits(m
     assert [pc.blocks[key].id for key in c] == [1, 0]
     assert pc.load("x", pc.lookup(c), dst, 0) == 16
     for x, y in zip(src.keys + src.values, dst.keys + dst.values):
-        assert torch.equal(y[0, :, :16], x[1, :, :16])
+        assert torch.equal(slots(dst, y, 0, 16), slots(src, x, 1, 16))
     longer = block_keys(list(range(300, 324)), 8)  # c's 2 blocks and a third: only the third is copied
     assert longer[:2] == c
     pc.save("x", longer, src, 1)
     assert pc.load("x", pc.lookup(longer), dst, 0) == 24
     for x, y in zip(src.keys + src.values, dst.keys + dst.values):
-        assert torch.equal(y[0, :, :24], x[1, :, :24])
+        assert torch.equal(slots(dst, y, 0, 24), slots(src, x, 1, 24))
 
 
 def test_a_tail_is_found_only_whole_and_loads_back_its_slots():
@@ -326,12 +338,12 @@ def test_a_tail_is_found_only_whole_and_loads_back_its_slots():
     assert pc.tail("y", keys[:2], tokens[16:]) is None  # (a cache it does not hold)
     assert pc.load("x", pc.lookup(keys), dst, 0, tail=tail) == 21 == dst.lengths[0]
     for a, b in zip(src.keys + src.values, dst.keys + dst.values):
-        assert torch.equal(b[0, :, :21], a[1, :, :21])
+        assert torch.equal(slots(dst, b, 0, 21), slots(src, a, 1, 21))
     short = [9, 8, 7]  # a sequence shorter than a block: a tail after no block, salted apart
     pc.save("x", pc.keys(short, "s", tail=True), src, 0, tail=3)
     assert pc.tail("x", [], short + [1]) is None
     assert pc.load("x", [], dst, 0, tail=pc.tail("x", [], short + [1], "s")) == 3
-    assert torch.equal(dst.keys[0][0, :, :3], src.keys[0][0, :, :3])
+    assert torch.equal(slots(dst, dst.keys[0], 0, 3), slots(src, src.keys[0], 0, 3))
 
 
 def test_the_memory_plan_gives_the_prefix_cache_what_the_sequences_leave():

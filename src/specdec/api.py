@@ -37,7 +37,7 @@ from specdec.speculative.drafters import load_drafters, model_bytes
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
-DEFAULT_ROW_LEN = 4096  # a K/V row's length while short sequences run (a long one runs in fewer, longer rows)
+DEFAULT_ROW_LEN = 4096  # the memory plan's K/V: max_num_seqs sequences of this length (or fewer, longer ones)
 
 
 def default_device() -> torch.device:
@@ -165,7 +165,7 @@ class LLM:
         if self.spec is not None and self.spec.uses_suffix:
             self.memory_plan = dataclasses.replace(
                 self.memory_plan, suffix_cached_requests=self.spec.suffix_decoding_max_cached_requests)
-        # a draft's K/V rows as long as the target's while short sequences run (the engine reshapes them together)
+        # a draft's K/V cache (the engine gives it as many rows as the target's, paged from a pool as large)
         proposer = build_proposer(self.spec, vocab_size=self.target.config.vocab_size,
                                   max_num_seqs=self.memory_plan.max_num_seqs,
                                   max_model_len=self.memory_plan.row_len or self.max_model_len,
@@ -209,7 +209,6 @@ class LLM:
             prefix_block_size=self.memory_plan.prefix_block_size,
             prefix_isolation=prefix_isolation,
             row_tokens=row_tokens,
-            row_len=self.memory_plan.row_len or None,
         )
 
     # ----------------------------------------------------------------------------------- generation

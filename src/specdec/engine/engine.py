@@ -46,6 +46,7 @@ from specdec.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence, request_grammar
 from specdec.engine.target_pass import PromptRows, verifiable, verify
+from specdec.models.kv_cache import KVCache
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import make_generator
 from specdec.speculative.acceptance import Verdict
@@ -83,7 +84,6 @@ class Engine:
         prefix_block_size: int = BLOCK_SIZE,
         prefix_isolation: str = "shared",
         row_tokens: int | None = None,
-        row_len: int | None = None,
         controller: SpeculationController | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -91,9 +91,8 @@ class Engine:
         `disable_by_batch_size`); `prefix_isolation`: "shared" (vLLM's: requests without a `cache_salt` share
         cached prefixes with each other) or "salt" (only salted requests use the prefix cache, each salt its
         own: how much of a prompt was cached tells nothing of another tenant's prompts); `row_tokens`: the K/V
-        slots all running sequences share (default: `max_batch_size` rows of `max_model_len`; fewer: short
-        sequences run `max_batch_size` at once, a long one in fewer, longer rows, see `Scheduler`); `row_len`: a
-        row's length while short sequences run, at most (default: `row_tokens // max_batch_size`); `clock`:
+        slots all running sequences share, in pages (default: `max_batch_size` sequences of `max_model_len`;
+        fewer: sequences run while their lengths fit it, see `Scheduler`); `clock`:
         what every part of a step is timed with, by the controller and the proposer too (default: the
         controller's, perf_counter after a GPU's queued work); `prefill_itl_factor`: while sequences decode, a
         joining prompt is read inside their steps, as many tokens a step as keep it within this factor of a
@@ -116,9 +115,9 @@ class Engine:
         self._now = controller.clock
         # + the widest draft: a row near the end of the context is padded to the batch's widest (never committed)
         widest = self.proposer.max_width(num_speculative_tokens)
-        self.cache, slots = self._new_cache(max_batch_size, row_tokens, row_len, widest)
+        self.cache = self._new_cache(max_batch_size, row_tokens, widest)
         caches = {"target": self.cache, **self.proposer.kv_caches}
-        self.scheduler = Scheduler(max_batch_size, list(caches.values()), row_tokens=slots,
+        self.scheduler = Scheduler(max_batch_size, list(caches.values()),
                                    need=lambda seq: len(seq.prompt_ids) + seq.params.max_tokens + widest)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.metrics = SpecMetrics()  # cumulative
@@ -128,19 +127,21 @@ class Engine:
             else None
         self.prefill = Prefill(self.cache, self.proposer, controller, self._now, self.prefix_cache, prefix_isolation)
 
-    def _new_cache(self, max_batch_size: int, row_tokens: int | None, row_len: int | None, widest: int):
-        """The target's cache, rows of `row_tokens // max_batch_size` slots (+ `widest`) while short sequences
-        run, and the proposer's own caches as long (+ what they keep beyond max_model_len + widest if more); and
-        the slots the scheduler shares among the rows (`row_tokens` scaled by the pads)."""
+    def _new_cache(self, max_batch_size: int, row_tokens: int | None, widest: int) -> KVCache:
+        """The target's cache: `max_batch_size` rows of up to max_model_len + `widest` slots, paged, its pool
+        `row_tokens` slots (+ each row's widest draft and a page of rounding); and the proposer's own caches
+        alike, their rows as long as they need (+ what they keep beyond max_model_len + widest)."""
         row_tokens = max_batch_size * self.max_model_len if row_tokens is None else row_tokens
-        short = min(self.max_model_len, row_tokens // max_batch_size, row_len or row_tokens)
-        if short < 1 or row_tokens < self.max_model_len:
+        if row_tokens < self.max_model_len:
             raise ValueError(f"row_tokens {row_tokens} cannot hold one sequence of max_model_len {self.max_model_len}")
-        cache = self.target.new_cache(max_batch_size, short + widest)
+        capacity = self.max_model_len + widest
+        pages = KVCache.pages_for(row_tokens) + max_batch_size * (KVCache.pages_for(widest) + 1)
+        cache = self.target.new_cache(max_batch_size, capacity, num_pages=pages)
         for own in self.proposer.kv_caches.values():
             margin = max(0, own.capacity - self.max_model_len - widest)
-            own.reshape(max_batch_size, cache.capacity + margin)
-        return cache, row_tokens * cache.capacity // short
+            own.reshape(max_batch_size, cache.capacity + margin,
+                        num_pages=pages + max_batch_size * (KVCache.pages_for(margin) + 1))
+        return cache
 
     # the scheduler's queue and batch, the prefix cache's isolation, and the controller's costs, seen from outside
     max_batch_size = property(lambda self: self.scheduler.max_batch_size)

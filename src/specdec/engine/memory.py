@@ -5,9 +5,10 @@ use, as vLLM's `--gpu-memory-utilization`. Without it: 0.9 of a GPU; on CPU, the
 `CPU_CACHE_SPACE` (4 GiB, as vLLM's CPU backend reserves by default, VLLM_CPU_KVCACHE_SPACE) for the K/V
 of the running sequences and the prefix cache together, or the running sequences' K/V if more, at most 0.9
 of RAM (`default_budget`): a machine others share is not filled by a cache that grows with every distinct
-prompt. Every running sequence reserves a row of slots in the target's cache and in the draft's: rows of
-`row_len` (4096 by default) while short sequences run, fewer and longer ones (up to `max_model_len`, the
-model's own context by default) while a long one does, so the budget decides how many sequences run at once. With prefix
+prompt. Every running sequence holds pages of the target's cache and of the draft's as it grows (paged K/V,
+`KVCache`): the pool holds `max_num_seqs` sequences of `row_len` (4096 by default), or fewer, longer ones (up
+to `max_model_len`, the model's own context by default) side by side with short ones, so the budget decides
+how many sequences run at once. With prefix
 caching, what the running sequences leave of the budget holds cached prefixes (blocks of the target's and
 the draft's K/V; see `specdec.engine.prefix_cache`).
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.engine.prefix_cache import BLOCK_SIZE
+from specdec.models.kv_cache import PAGE
 
 GiB = 1024 ** 3
 DEFAULT_UTILIZATION = 0.9  # of the device's memory, when no fraction is given (of RAM at most, on CPU)
@@ -61,7 +63,7 @@ class MemoryPlan:
 
     @property
     def kv_tokens(self) -> int:
-        """Slots the running sequences share: `max_num_seqs` rows of `row_len`, or fewer, longer rows."""
+        """Slots the running sequences share (in pages): `max_num_seqs` of `row_len`, or fewer, longer ones."""
         return max(self.max_num_seqs * (self.row_len or self.max_model_len), self.max_model_len)
 
     @property
@@ -107,8 +109,8 @@ class MemoryPlan:
             f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.max_model_len} tokens"
             if not self.row_len or self.row_len >= self.max_model_len else
             f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.row_len} tokens, or fewer "
-            f"longer ones ({self.kv_tokens // self.max_model_len} of up to {self.max_model_len}; a long one runs in "
-            f"fewer, longer rows and the requests behind it wait)",
+            f"longer ones ({self.kv_tokens // self.max_model_len} of up to {self.max_model_len}), in pages of "
+            f"{PAGE} tokens: a long one runs beside short ones while their lengths fit",
         ])
 
 
@@ -140,13 +142,14 @@ def plan_memory(
     Example: 23.5 GiB of RAM, weights 1.5 GiB, 8 sequences of 160 MiB: budget min(21.2, 1.5 + 4) = 5.5 GiB,
     prefix cache 2.75 GiB.
 
-    With `row_len` the rows are that long while short sequences run (`max_num_seqs` of them), and a longer
-    one, up to `max_model_len`, runs in fewer, longer rows of the same slots (at least one sequence of
-    `max_model_len`): the model's 32768-token context costs short requests neither their batch nor the
+    With `row_len` the pool holds `max_num_seqs` sequences of that length, or fewer, longer ones up to
+    `max_model_len` (at least one sequence of `max_model_len`), in the same pages: the model's 32768-token
+    context costs short requests neither their batch nor the
     prefix cache. With `lower_to_fit` (max_model_len is the model's own, not asked for) a budget that cannot
     hold one sequence of `max_model_len` lowers it to what it holds, and the plan says so.
-    Example: weights 1.5 GiB + 4 GiB, 28 KiB/token, max_model_len 32768, row_len 4096, 8 sequences: rows
-    32768 slots (896 MiB: 8 of 4096 or 1 of 32768), prefix cache 3.1 GiB."""
+    Example: weights 1.5 GiB + 4 GiB, 28 KiB/token, max_model_len 32768, row_len 4096, 8 sequences: pages
+    for 32768 slots (896 MiB: 8 sequences of 4096, or 1 of 32768, or 1 of 16384 and 4 of 4096), prefix cache
+    3.1 GiB."""
     weights = target_weights + draft_weights
     per_token = target_kv_per_token + draft_kv_per_token
     row_len = min(row_len or max_model_len, max_model_len)

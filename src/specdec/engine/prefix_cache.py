@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec.models.kv_cache import KVCache
+from specdec.models.kv_cache import PAGE, KVCache
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 MAX_RUNS = 8  # runs of consecutive pool blocks copied one by one; past that, one gathered copy
@@ -99,7 +99,7 @@ class PrefixCache:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.pools = {}  # name -> [num_blocks, 2 * layers (keys, then values), kv_heads, block_size, head_dim]
         for name, cache in caches.items():
-            _, kv_heads, _, head_dim = cache.keys[0].shape
+            _, kv_heads, _, head_dim = cache.keys[0].shape  # [pages, kv_heads, PAGE, head_dim]
             shape = (num_blocks, 2 * len(cache.keys), kv_heads, block_size, head_dim)
             self.pools[name] = torch.empty(shape, dtype=cache.keys[0].dtype, device=cache.keys[0].device)
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
@@ -169,27 +169,29 @@ class PrefixCache:
         self._touch(keys[:len(chain)])
         if not todo:
             return
-        device = cache.keys[0].device  # (a tail's slots past its tokens are copied too, never read)
-        pool, m, first = self.pools[name], len(todo), todo[0][0]
-        ids = [block.id for _, block in todo]
-        if shift == 0 and (first + m) * B <= cache.capacity and all(i == first + j for j, (i, _) in enumerate(todo)):
-            # a run of the row's blocks (a new prompt's or answer's): each layer's slots copied straight into
-            # the pool, one copy (10k tokens on 2 AVX2 cores: 0.35 s through gathered and stacked copies, 0.11 s
-            # into runs of the pool's blocks, 0.15 s into scattered ones)
+        device = cache.table.device  # (a tail's slots past its tokens are copied too, never read)
+        pool, m, ids = self.pools[name], len(todo), [block.id for _, block in todo]
+        index = torch.tensor(ids, device=device)
+        if shift == 0 and B == PAGE and todo[-1][0] < len(cache.pages[row]):
+            # block i is page i of the row: each layer's pages copied into the pool's blocks (the same layout,
+            # [kv_heads, B, head_dim]), one copy (10k tokens on 2 AVX2 cores: 0.35 s through gathered and
+            # stacked copies of a row's slots, 0.11 s as runs of blocks)
+            pages = cache.table[row, torch.tensor([i for i, _ in todo], device=device)]
             runs = _runs(ids)
-            index = torch.tensor(ids, device=device) if len(runs) > MAX_RUNS else None
+            runs = runs if len(runs) <= MAX_RUNS else None
             for layer, kv in enumerate(cache.keys + cache.values):
-                blocks = kv[row, :, first * B:(first + m) * B].unflatten(1, (m, B)).transpose(0, 1)  # [m, kv_heads, B, hd]
-                if index is None:
+                blocks = kv.index_select(0, pages)  # [m, kv_heads, B, hd]
+                if runs is None:
+                    pool.select(1, layer).index_copy_(0, index, blocks)
+                else:
                     for start, first_id, count in runs:
                         pool[first_id:first_id + count, layer].copy_(blocks[start:start + count])
-                else:
-                    pool.select(1, layer).index_copy_(0, index, blocks)
         else:
             slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device)
-            slots.clamp_(min=0, max=cache.keys[0].shape[2] - 1)
-            src = torch.stack([kv[row][:, slots] for kv in cache.keys + cache.values])  # [2 * layers, kv_heads, m * B, hd]
-            pool.index_copy_(0, torch.tensor(ids, device=device), src.unflatten(2, (m, B)).permute(2, 0, 1, 3, 4))
+            slots.clamp_(min=0, max=len(cache.pages[row]) * PAGE - 1)
+            page, offset = cache.locate(slots, row)
+            src = torch.stack([kv[page, :, offset] for kv in cache.keys + cache.values])  # [2 * layers, m * B, kv, hd]
+            pool.index_copy_(0, index, src.unflatten(1, (m, B)).permute(1, 0, 3, 2, 4))
         for _, block in todo:
             block.caches.add(name)
 
@@ -203,26 +205,28 @@ class PrefixCache:
         if n <= 0:
             return 0
         B, m, pool = self.block_size, len(blocks), self.pools[name]
-        runs = _runs([block.id for block in blocks])
-        fits = shift == 0 and m * B <= cache.capacity
-        if fits and len(runs) <= MAX_RUNS:
-            # each run of consecutive pool blocks copied straight into the row's slots, layer by layer: one
-            # copy (10k tokens on 2 AVX2 cores: 0.16 s through a gathered copy of the blocks, 0.08 s so)
+        device = cache.table.device
+        if shift == 0 and B == PAGE:
+            # block i into page i of the row, each layer's blocks copied straight into the row's pages (10k
+            # tokens on 2 AVX2 cores: 0.16 s through a gathered copy of the blocks, 0.05 s so)
+            cache.reserve(row, m * B)
+            pages = cache.table[row, :m]
+            runs = _runs([block.id for block in blocks])
+            index = torch.tensor([block.id for block in blocks], device=device) if len(runs) > MAX_RUNS else None
             for layer, kv in enumerate(cache.keys + cache.values):
-                for start, first_id, count in runs:
-                    kv[row, :, start * B:(start + count) * B].unflatten(1, (count, B)).copy_(
-                        pool[first_id:first_id + count, layer].transpose(0, 1))
-            cache.advance(row, n)
-            return n
-        ids = torch.tensor([block.id for block in blocks], device=cache.keys[0].device)
-        data = pool.index_select(0, ids)  # [m, 2 * layers, kv_heads, B, head_dim]
-        if fits:  # each layer's blocks copied straight into the row's slots
-            for layer, kv in enumerate(cache.keys + cache.values):
-                kv[row, :, :m * B].unflatten(1, (m, B)).copy_(data[:, layer].transpose(0, 1))
+                if index is None:  # each run of consecutive pool blocks, one copy
+                    for start, first_id, count in runs:
+                        kv.index_copy_(0, pages[start:start + count], pool[first_id:first_id + count, layer])
+                else:
+                    kv.index_copy_(0, pages, pool.select(1, layer).index_select(0, index))
         else:
-            data = data.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2 * layers, kv_heads, m * B, head_dim]
+            cache.reserve(row, n)
+            ids = torch.tensor([block.id for block in blocks], device=device)
+            data = pool.index_select(0, ids)  # [m, 2 * layers, kv_heads, B, head_dim]
+            data = data.permute(1, 0, 3, 2, 4).flatten(1, 2)[:, shift:shift + n]  # [2 * layers, n, kv_heads, head_dim]
+            page, offset = cache.locate(torch.arange(n, device=device), row)
             for layer, kv in enumerate(cache.keys + cache.values):
-                kv[row, :, :n] = data[layer, :, shift:shift + n]
+                kv[page, :, offset] = data[layer]
         cache.advance(row, n)
         return n
 

@@ -7,12 +7,12 @@ joining one, if any, the row after them: rows stay packed, so a decoding pass co
 
 Example: a, b, c running in rows 0, 1, 2 and d joining in row 3; b leaves -> c moves to row 1, d to row 2.
 
-Rows share `row_tokens` slots (the memory plan's K/V for running sequences): `max_batch_size` rows of
-`row_tokens // max_batch_size` slots, or, while a longer sequence runs, fewer rows as long as it needs
-(rounded up to a power of two of the short length). A sequence joins when the rows its batch would need
-fit: its length, prompt + max_tokens, is what it is admitted by. Example: row_tokens 32768, 8 rows of 4096;
-a 30k-token prompt waits until the batch is empty, then runs alone in 1 row of 32768 slots; the requests
-behind it wait for it, and the rows go back to 8 of 4096 when it leaves.
+Rows are paged (`KVCache`): a row takes pages of its cache's pool as its sequence grows and gives them back when
+it leaves, so sequences of any lengths run side by side while their pages fit the pool. A sequence joins when
+the pages its batch may come to hold fit every cache's pool: its length, prompt + max_tokens (+ the widest
+draft), is what it is admitted by, and the requests behind it wait (first come, first served). Example: a pool
+of 32768 slots, 8 rows; a 30k-token prompt joins beside two short requests if their lengths and its own add
+up to at most 32768, and waits for them otherwise; the requests behind it wait until it fits.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Protocol
 
-from specdec.models.kv_cache import KEY_BLOCK, KVCache
+from specdec.models.kv_cache import KVCache
 
 
 class Scheduled(Protocol):
@@ -29,15 +29,13 @@ class Scheduled(Protocol):
 
 
 class Scheduler:
-    def __init__(self, max_batch_size: int, caches: list[KVCache], row_tokens: int | None = None,
+    def __init__(self, max_batch_size: int, caches: list[KVCache],
                  need: Callable[[Scheduled], int] = lambda seq: 0) -> None:
-        """`row_tokens`: slots all rows share (None: each cache's rows as given); `need(seq)`: the slots
-        `seq` may take in a row."""
+        """`need(seq)`: the slots `seq` may take in a row of the first cache (the target's); the others add
+        what their rows hold beyond the target's (`capacity` - the first's: a proposer's own drafts)."""
         self.max_batch_size = max_batch_size
         self.caches = caches  # every cache with a row per sequence: rows move and are freed in all of them
-        self.short = caches[0].capacity  # the rows' length while only short sequences run
-        self.row_tokens = row_tokens if row_tokens is not None else max_batch_size * self.short
-        self.margins = [c.capacity - self.short for c in caches]  # what each cache adds to a row (drafts)
+        self.margins = [c.capacity - caches[0].capacity for c in caches]
         self.need = need
         self.waiting: deque = deque()
         self.running: list = []
@@ -91,18 +89,10 @@ class Scheduler:
                 self._move(self.prefilling, len(self.running))
 
     def _fit(self, seq: Scheduled) -> bool:
-        """Shape the rows for the running batch and `seq`; False (nothing changed) if they do not fit."""
-        need, length = max(self.need(s) for s in [*self.running, seq]), self.short
-        while length < need:
-            length *= 2
-        length = min(length, self.row_tokens // KEY_BLOCK * KEY_BLOCK)
-        rows = min(self.max_batch_size, self.row_tokens // length)
-        if need > length or rows < len(self.running) + 1:
-            return False
-        if self.caches[0].capacity != length or self.caches[0].batch_size != rows:
-            for cache, margin in zip(self.caches, self.margins):
-                cache.reshape(rows, length + margin)
-        return True
+        """Whether the pages the running batch and `seq` may come to hold fit every cache's pool."""
+        needs = [self.need(s) for s in [*self.running, seq]]
+        return all(sum(cache.pages_for(n + margin) for n in needs) <= cache.num_pages
+                   for cache, margin in zip(self.caches, self.margins))
 
     def _move(self, seq: Scheduled, row: int) -> None:
         """Move `seq` into the free `row` in every cache, and free the row it leaves."""

@@ -226,8 +226,8 @@ class EagleHead(_Head):
             self.fuse.weight.zero_()
             self.fuse.weight[:, -H:] = torch.eye(H)
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return KVCache(self.config.layer_config(), batch_size, capacity, self.dtype, self.vocab_ids.device)
+    def new_cache(self, batch_size: int, capacity: int, num_pages: int | None = None) -> KVCache:
+        return KVCache(self.config.layer_config(), batch_size, capacity, self.dtype, self.vocab_ids.device, num_pages)
 
     def to_block_kernels(self, target) -> "EagleHead":
         """As `_Head.to_block_kernels`, and the decoder layer run as the target's layers run: Q/K/V and
@@ -265,6 +265,7 @@ class EagleHead(_Head):
         x = torch.cat([features.to(dtype), self.embed(next_tokens).to(dtype)], -1)
         if slots is not None:
             cos, sin = rope_tables(positions, self.inv_freq, dtype)
+            cache.reserve_slots(slots)
             return self.norm(self.layer(self.fc(x), cos, sin, cache, slots, mask, None, slots))
         cos, sin, write_slots, full_mask, key_index = attention_inputs(cache, positions, mask, self.inv_freq, dtype)
         slots = write_slots  # (the fused layer's write slots: rows of equal length take the next T of each)

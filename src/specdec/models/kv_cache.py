@@ -1,17 +1,25 @@
-"""A preallocated KV cache with O(1) rollback and gather-commit for tree drafts.
+"""A paged KV cache: rows of slots backed by pages of a pool, O(1) rollback, gather-commit for tree drafts.
 
-Layout per layer: keys and values of shape [batch, num_kv_heads, capacity, head_dim]. Row b holds one
-sequence; `lengths[b]` is how many slots of row b are committed. A forward pass writes the K/V of its
-new tokens into slots `[lengths[b], lengths[b] + T)` without committing them; lengths move only through
-this class's methods (`advance`, `truncate`, `clear`, `commit` gathering kept slots into place, `move_row`).
+Layout per layer: keys and values of shape [num_pages, num_kv_heads, PAGE, head_dim], a pool of pages of
+PAGE slots. Row b holds one sequence: its slots are those of its pages, in order (`pages[b]`; slot s is
+row s % PAGE of page `pages[b][s // PAGE]`), and `lengths[b]` of them are committed. A row takes pages from
+the pool as it grows (`reserve`, called by the forward pass for the slots it writes) and gives them back
+when it is cleared, so rows of very different lengths share one pool: no row reserves `capacity` (the
+longest a row may grow) ahead. A forward pass writes the K/V of its new tokens into slots
+`[lengths[b], lengths[b] + T)` without committing them; lengths move only through this class's methods
+(`advance`, `truncate`, `clear`, `commit` gathering kept slots into place, `move_row`).
 
 Rollback is free: truncate moves a length; rejected slots are simply overwritten by the next pass and
-hidden by the attention mask until then.
+hidden by the attention mask until then (the row keeps its pages until it is cleared).
 
-Example (one sequence): lengths = [10]; a verification pass writes 6 slots 10..15; the first 3 are
-accepted -> `advance(0, 3)`, lengths = [13]; slots 13..15 are dead and will be overwritten.
-Tree example: a pass wrote 7 tree nodes into slots 10..16 and the accepted path is nodes 0, 2, 5 ->
-`commit(0, [0, 2, 5])` copies slots 10, 12, 15 to 10, 11, 12 and sets lengths = [13].
+Example (one sequence): lengths = [10]; a verification pass writes 6 slots 10..15 (the row's first page
+holds slots 0..15); the first 3 are accepted -> `advance(0, 3)`, lengths = [13]; slots 13..15 are dead
+and will be overwritten.
+Tree example: a pass wrote 7 tree nodes into slots 10..16 (a second page taken for slot 16) and the
+accepted path is nodes 0, 2, 5 -> `commit(0, [0, 2, 5])` copies slots 12, 15 to 11, 12 and sets
+lengths = [13].
+Pool example: 3 rows, a pool of 8 pages of 16: row 0 holds 100 tokens (7 pages), row 1 holds 10 (1 page),
+row 2 nothing: row 2 can take no page until a row is cleared.
 """
 
 from __future__ import annotations
@@ -20,7 +28,12 @@ import torch
 
 from specdec.config import ModelConfig
 
-KEY_BLOCK = 64  # attention key length granularity (see models.llama): cache capacities are multiples of it
+KEY_BLOCK = 64  # attention key length granularity (see models.llama): row capacities are multiples of it
+PAGE = 16  # slots a page (the prefix cache's block: vLLM's default block size)
+
+
+class KVCacheFull(RuntimeError):
+    """The pool has no page left for a slot a pass must write."""
 
 
 class KVCache:
@@ -31,14 +44,23 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        num_pages: int | None = None,
     ) -> None:
+        """`batch_size` rows of up to `capacity` slots each (whole attention key blocks), sharing `num_pages`
+        pages (default: enough for every row at full capacity)."""
         capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK  # whole attention key blocks
-        shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        num_pages = batch_size * capacity // PAGE if num_pages is None else num_pages
+        shape = (num_pages, config.num_key_value_heads, PAGE, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.capacity = capacity
         self.batch_size = batch_size
         self.lengths = [0] * batch_size  # committed slots per row
+        self.pages: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in slot order
+        self.free = list(range(num_pages - 1, -1, -1))  # pages no row holds (taken from the end: low ids first)
+        # each row's pages as the kernels read them ([rows, capacity // PAGE]; past a row's pages: page 0,
+        # never read, as the slots there are never visible)
+        self.table = torch.zeros(batch_size, capacity // PAGE, dtype=torch.long, device=device)
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -46,26 +68,78 @@ class KVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
 
+    @staticmethod
+    def pages_for(slots: int) -> int:
+        """Pages that hold `slots` slots."""
+        return -(-slots // PAGE)
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[0]
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    # ----------------------------------------------------------------------------------- lengths
     def truncate(self, row: int, length: int) -> None:
-        """Forget everything after `length` committed slots of `row` (O(1))."""
+        """Forget everything after `length` committed slots of `row` (O(1); the row keeps its pages)."""
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
         self.lengths[row] = length
 
     def clear(self, row: int) -> None:
-        """Free `row`: nothing in it is committed."""
+        """Free `row`: nothing in it is committed, and its pages go back to the pool."""
         self.lengths[row] = 0
+        self._give_back(row)
 
     def advance(self, row: int, n: int) -> None:
         """Commit the first `n` slots written after the committed prefix of `row`."""
         if self.lengths[row] + n > self.capacity:
             raise ValueError(f"KV cache row {row} would exceed its capacity of {self.capacity} tokens")
+        if self.lengths[row] + n > len(self.pages[row]) * PAGE:
+            raise ValueError(f"KV cache row {row}: slots up to {self.lengths[row] + n} were never written")
         self.lengths[row] += n
 
+    # ----------------------------------------------------------------------------------- pages
+    def reserve(self, row: int, slots: int) -> None:
+        """Give `row` the pages for its first `slots` slots (those it lacks, from the pool)."""
+        if slots > self.capacity:
+            raise ValueError(f"sequence of {slots} tokens exceeds the KV cache capacity of {self.capacity}")
+        pages, need = self.pages[row], self.pages_for(slots)
+        if need - len(pages) > len(self.free):
+            raise KVCacheFull(f"the KV cache has {len(self.free)} free pages of {PAGE} slots; row {row} needs "
+                              f"{need - len(pages)} more")
+        while len(pages) < need:
+            self.table[row, len(pages)] = self.free[-1]
+            pages.append(self.free.pop())
+
+    def reserve_slots(self, slots: torch.Tensor) -> None:
+        """Reserve what writing `slots` [B, T] (row b's slots in row b) needs."""
+        for row, last in enumerate(slots.amax(1).tolist()):
+            self.reserve(row, last + 1)
+
+    def page_table(self, rows: int, slots: int) -> torch.Tensor:
+        """The pages of rows 0..rows-1 holding their first `slots` slots, [rows, slots / PAGE] (a view)."""
+        return self.table[:rows, :self.pages_for(slots)]
+
+    def locate(self, slots: torch.Tensor, row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of each slot of `slots` [B, T] (of rows 0..B-1), or of `slots` [n] of `row`."""
+        table = self.table if row is None else self.table[row]
+        pages = torch.gather(table[:slots.shape[0]], 1, slots // PAGE) if row is None else table[slots // PAGE]
+        return pages, slots % PAGE
+
+    def gather(self, layer_cache: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
+        """Slots 0..slots-1 of rows 0..rows-1 of one layer's keys or values, [rows, KV, slots, D] (a copy)."""
+        pages = self.page_table(rows, slots)  # [B, n]
+        data = layer_cache[pages]  # [B, n, KV, PAGE, D]
+        return data.transpose(1, 2).flatten(2, 3)[:, :, :slots]
+
+    def _give_back(self, row: int) -> None:
+        self.free.extend(reversed(self.pages[row]))
+        self.pages[row].clear()
+
+    # ----------------------------------------------------------------------------------- rows
     def commit(self, row: int, indices: list[int]) -> None:
         """Keep the pending slots `indices` (offsets past the committed prefix, increasing) in that order.
 
@@ -75,44 +149,59 @@ class KVCache:
         start = self.lengths[row]
         first_moved = next((i for i, idx in enumerate(indices) if idx != i), len(indices))
         if first_moved < len(indices):
-            src = torch.tensor(indices[first_moved:], device=self.keys[0].device) + start
-            dst = slice(start + first_moved, start + len(indices))
-            for k, v in zip(self.keys, self.values):
-                k[row, :, dst] = k[row, :, src]
-                v[row, :, dst] = v[row, :, src]
+            device = self.table.device
+            src = self.locate(torch.tensor(indices[first_moved:], device=device) + start, row)
+            dst = self.locate(torch.arange(start + first_moved, start + len(indices), device=device), row)
+            for kv in self.keys + self.values:
+                kv[dst[0], :, dst[1]] = kv[src[0], :, src[1]]
         self.advance(row, len(indices))
 
-    def reshape(self, batch_size: int, capacity: int) -> None:
-        """Reallocate as `batch_size` rows of `capacity` slots (whole key blocks), keeping what the rows
-        that remain hold: how the engine trades rows for length (a long sequence runs in fewer, longer rows).
-        Rows dropped and slots cut must hold nothing committed.
-        Example: 8 rows of 4096 -> reshape(1, 32768): row 0 keeps its slots, rows 1..7 (empty) are gone."""
+    def reshape(self, batch_size: int, capacity: int, num_pages: int | None = None) -> None:
+        """Reallocate as `batch_size` rows of up to `capacity` slots sharing `num_pages` pages (default: every
+        row at full capacity), keeping what the rows that remain hold. Rows dropped and slots cut must hold
+        nothing committed. Example: 8 rows of 4096 -> reshape(1, 32768): row 0 keeps its slots."""
         capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         if any(self.lengths[batch_size:]) or max(self.lengths[:batch_size], default=0) > capacity:
             raise ValueError(f"cannot reshape a KV cache holding rows of lengths {self.lengths} to "
                              f"{batch_size} rows of {capacity} slots")
-        rows, keep = min(batch_size, self.batch_size), min(capacity, self.capacity)
+        num_pages = batch_size * capacity // PAGE if num_pages is None else num_pages
+        rows = min(batch_size, self.batch_size)
+        kept = [self.pages[r][:self.pages_for(self.lengths[r])] for r in range(rows)]
+        if sum(map(len, kept)) > num_pages:
+            raise ValueError(f"cannot reshape a KV cache holding {sum(map(len, kept))} pages to {num_pages} pages")
+        old = list(zip(self.keys, self.values))
         for tensors in (self.keys, self.values):
-            for i, old in enumerate(tensors):
-                new = old.new_zeros((batch_size, old.shape[1], capacity, old.shape[3]))
-                new[:rows, :, :keep] = old[:rows, :, :keep]
-                tensors[i] = new
-        self.lengths = self.lengths[:rows] + [0] * (batch_size - rows)
+            for i, t in enumerate(tensors):
+                tensors[i] = t.new_zeros((num_pages, *t.shape[1:]))
         self.capacity, self.batch_size = capacity, batch_size
+        self.lengths = self.lengths[:rows] + [0] * (batch_size - rows)
+        self.pages = [[] for _ in range(batch_size)]
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.table = torch.zeros(batch_size, capacity // PAGE, dtype=torch.long, device=self.table.device)
+        for row, pages in enumerate(kept):
+            self.reserve(row, len(pages) * PAGE)
+            if pages:
+                src = torch.tensor(pages, device=self.table.device)
+                dst = self.table[row, :len(pages)]
+                for (k_old, v_old), k, v in zip(old, self.keys, self.values):
+                    k[dst] = k_old[src]
+                    v[dst] = v_old[src]
 
     def row_view(self, row: int) -> "KVCache":
-        """A one-row cache sharing this cache's storage for `row` (its lengths are its own: the caller
-        copies the length back)."""
+        """A one-row cache sharing this cache's pool, and `row`'s pages (what it reserves is the row's; its
+        length is its own: the caller copies the length back)."""
         view = KVCache.__new__(KVCache)
-        view.keys = [k[row:row + 1] for k in self.keys]
-        view.values = [v[row:row + 1] for v in self.values]
+        view.keys, view.values, view.free = self.keys, self.values, self.free
         view.capacity, view.batch_size, view.lengths = self.capacity, 1, [self.lengths[row]]
+        view.pages, view.table = [self.pages[row]], self.table[row:row + 1]
         return view
 
     def move_row(self, src: int, dst: int) -> None:
-        """Copy row `src` onto row `dst` (used to keep running sequences packed in rows 0..B-1)."""
-        n = self.lengths[src]
-        for k, v in zip(self.keys, self.values):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
-        self.lengths[dst] = n
+        """Move row `src` onto row `dst` (used to keep running sequences packed in rows 0..B-1): its pages change
+        hands, nothing is copied; `dst`'s own pages go back to the pool, and `src` is left empty."""
+        if src == dst:
+            return
+        self._give_back(dst)
+        self.pages[dst], self.pages[src] = self.pages[src], []
+        self.table[dst] = self.table[src]
+        self.lengths[dst], self.lengths[src] = self.lengths[src], 0

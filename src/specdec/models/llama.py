@@ -70,6 +70,8 @@ def attention_inputs(
     lengths = cache.lengths[:B]
     if max(lengths) + T > cache.capacity:
         raise ValueError(f"sequence of {max(lengths) + T} tokens exceeds the KV cache capacity of {cache.capacity}")
+    for row, length in enumerate(lengths):  # the pages of the slots this pass writes
+        cache.reserve(row, length + T)
     # Attend over whole blocks of KEY_BLOCK slots (the extra ones masked): every softmax row then has a
     # length that is a multiple of the vector width, so each score takes the same (vectorized) exp
     # whatever the number of rows in the pass; a row's result must not depend on it.
@@ -193,18 +195,15 @@ class Attention(nn.Module):
 
         S = mask.shape[-1]
         k_cache, v_cache = cache.keys[self.layer_idx], cache.values[self.layer_idx]
-        if write_slots is None:  # one row, or rows of equal length: a plain slice
-            start = cache.lengths[0]
-            k_cache[:B, :, start:start + T] = k.transpose(1, 2)
-            v_cache[:B, :, start:start + T] = v.transpose(1, 2)
+        if write_slots is None:  # one row, or rows of equal length: the next T slots of each
+            write_slots = cache.lengths[0] + torch.arange(T, device=x.device).expand(B, T)
+        page, offset = cache.locate(write_slots)  # [B, T] each
+        k_cache[page, :, offset] = k
+        v_cache[page, :, offset] = v
+        if fused:  # (the whole cache: each query reads the slots it sees, through its row's pages)
+            out = qgemm.ops().attention(q, k_cache, v_cache, mask, key_index, cache.page_table(B, S))
         else:
-            rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
-            k_cache[rows, :, write_slots] = k
-            v_cache[rows, :, write_slots] = v
-        if fused:  # (the whole cache: each query reads the slots it sees)
-            out = qgemm.ops().attention(q, k_cache, v_cache, mask, key_index)
-        else:
-            keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]  # [B, KV, S, D]
+            keys, values = cache.gather(k_cache, B, S), cache.gather(v_cache, B, S)  # [B, KV, S, D]
             if x.device.type == "cuda":
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True
@@ -329,16 +328,18 @@ class DecoderLayer(nn.Module):
             k = qgemm.ops().rope(k, cos, sin)
         else:
             k = k * cos.unsqueeze(2) + rotate_half(k) * sin.unsqueeze(2)
-        rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
-        cache.keys[attn.layer_idx][rows, :, slots] = k
-        cache.values[attn.layer_idx][rows, :, slots] = v
+        cache.reserve_slots(slots)
+        page, offset = cache.locate(slots)
+        cache.keys[attn.layer_idx][page, :, offset] = k
+        cache.values[attn.layer_idx][page, :, offset] = v
 
     def forward(self, x, cos, sin, cache, write_slots, mask, key_index=None, slots=None):
         """`slots` [B, T]: the new tokens' cache slots (for the fused layer; `write_slots` or the rows' next ones)."""
         if self.fused_args is not None and x.device.type == "cpu":
             idx, attn = self.self_attn.layer_idx, self.self_attn
             return qgemm.ops().decoder_layer(x, *self.fused_args, cos, sin, cache.keys[idx], cache.values[idx],
-                                             slots, mask, key_index, attn.num_heads, attn.num_kv_heads)
+                                             slots, mask, key_index, attn.num_heads, attn.num_kv_heads,
+                                             cache.page_table(x.shape[0], mask.shape[-1]))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask, key_index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -451,8 +452,8 @@ class Transformer(nn.Module):
         """The activations' dtype (the norms are kept in it, whatever the format of the matrices)."""
         return self.model.norm.weight.dtype
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return KVCache(self.config, batch_size, capacity, self.dtype, self.device)
+    def new_cache(self, batch_size: int, capacity: int, num_pages: int | None = None) -> KVCache:
+        return KVCache(self.config, batch_size, capacity, self.dtype, self.device, num_pages)
 
     def forward(
         self,

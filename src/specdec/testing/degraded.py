@@ -28,8 +28,8 @@ class PermutedLogitsModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.inner.dtype
 
-    def new_cache(self, batch_size: int, capacity: int):
-        return self.inner.new_cache(batch_size, capacity)
+    def new_cache(self, batch_size: int, capacity: int, num_pages: int | None = None):
+        return self.inner.new_cache(batch_size, capacity, num_pages)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.inner(*args, **kwargs)[..., self.perm]

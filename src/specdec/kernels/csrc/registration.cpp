@@ -17,9 +17,10 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("quantize_acts(Tensor x, int bs) -> Tensor[]", &quantize_acts);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
-  m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor visible, Tensor? key_index) -> Tensor", &attention);
+  m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor visible, Tensor? key_index, Tensor? pages=None) -> Tensor",
+        &attention);
   m.def("decoder_layer(Tensor x, Tensor[] norms, float eps, Tensor[] qkv, int[] qkv_types, Tensor? qkv_bias, "
         "Tensor[] o, int[] o_types, Tensor[] gate_up, int[] gate_up_types, Tensor[] down, int[] down_types, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor visible, "
-        "Tensor? key_index, int num_heads, int num_kv_heads) -> Tensor", &decoder_layer);
+        "Tensor? key_index, int num_heads, int num_kv_heads, Tensor? pages=None) -> Tensor", &decoder_layer);
 }

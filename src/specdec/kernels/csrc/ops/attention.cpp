@@ -24,6 +24,11 @@
 // the other (no scores buffer beyond a block). Threads take whole items (prefill, batches), or, when there
 // are fewer items than threads (decoding at depth on many cores), ranges of blocks of each item, whose
 // parts are then combined in block order: the same operations either way, in one parallel region a call.
+//
+// Where a slot lives. The cache is [pages, KV, P, D]; slot s of sequence b is row s % P of page
+// pages[b][s / P] (paged K/V: a sequence's pages anywhere in a pool shared with the others), or, without a
+// table, of page b (one page a row: [rows, KV, capacity, D]). Where a slot lives changes which bytes are
+// read, never the operations on them.
 #include "../common.h"
 #include "../ops.h"
 
@@ -239,12 +244,30 @@ struct Call {  // one call's inputs
   int64_t sb, st, sh, sd;  // q's strides
   const T* kc;
   const T* vc;
-  int64_t Tn, H, KV, G, D, cap, S;
+  int64_t Tn, H, KV, G, D, P, S;  // P: slots a page
   const bool* visible;
   const int64_t* key_index;
+  const int64_t* pages;  // [B, np] each sequence's pages in order, or null: sequence b is page b
+  int64_t np;
   float scale;
   T* out;
+
+  // slot s of sequence b, K/V head g, in the cache `base` (kc or vc)
+  const T* at(const T* base, int64_t b, int64_t g, int64_t s) const {
+    const int64_t page = pages ? pages[b * np + s / P] : b;
+    return base + ((page * KV + g) * P + s % P) * D;
+  }
 };
+
+// slots s0 .. s0 + n - 1 of sequence b, head g, in fp32 -> tile [n, D], a page's run at a time.
+template <typename T>
+void load_run(const Call<T>& a, const T* base, int64_t b, int64_t g, int64_t s0, int64_t n, float* tile) {
+  for (int64_t done = 0; done < n;) {
+    const int64_t s = s0 + done, m = std::min(n - done, a.P - s % a.P);
+    to_f32(a.at(base, b, g, s), tile + done * a.D, m * a.D);
+    done += m;
+  }
+}
 
 // The queries of rows [t0, t1) of sequence b on K/V head g: their visible slots in order, their query
 // vectors in fp32 (row r's G heads at rows r * G ... of qf), and, once scored, their scores and maxima.
@@ -286,7 +309,7 @@ void prepare(const Call<T>& a, int64_t b, int64_t g, int64_t t0, int64_t t1, Ite
 // block's keys (or values) in rank order. Rows whose block is a run of slots s0, s0 + 1, ... share one
 // tile per s0, converted once; other rows (a tree's scattered keys) gather their own.
 template <typename T, typename Fn>
-void for_each_tile(const Call<T>& a, const T* head, const Item& it, int64_t c, std::vector<float>& tile,
+void for_each_tile(const Call<T>& a, const T* base, const Item& it, int64_t c, std::vector<float>& tile,
                    std::vector<int64_t>& start, Fn fn) {
   const int64_t R = it.rows(), D = a.D, first = c * kBlock;
   start.assign(R, -1);  // -1: no block c; -2: scattered; else its first slot
@@ -304,7 +327,7 @@ void for_each_tile(const Call<T>& a, const T* head, const Item& it, int64_t c, s
     if (start[r] == -2) {
       const int64_t len = std::min(kBlock, it.n(r) - first);
       tile.resize(len * D);
-      for (int64_t j = 0; j < len; ++j) to_f32(head + sl[j] * D, tile.data() + j * D, D);
+      for (int64_t j = 0; j < len; ++j) to_f32(a.at(base, it.b, it.g, sl[j]), tile.data() + j * D, D);
       fn(r, tile.data(), len);
       continue;
     }
@@ -312,12 +335,13 @@ void for_each_tile(const Call<T>& a, const T* head, const Item& it, int64_t c, s
     int64_t width = 0;
     for (int64_t u = r; u < R; ++u)
       if (start[u] == s0) width = std::max(width, std::min(kBlock, it.n(u) - first));
-    const float* keys;
+    const float* keys = nullptr;
     if constexpr (std::is_same_v<T, float>) {
-      keys = head + s0 * D;
-    } else {
+      if (s0 % a.P + width <= a.P) keys = a.at(base, it.b, it.g, s0);  // in one page: read in place
+    }
+    if (keys == nullptr) {
       tile.resize(width * D);
-      to_f32(head + s0 * D, tile.data(), width * D);
+      load_run(a, base, it.b, it.g, s0, width, tile.data());
       keys = tile.data();
     }
     for (int64_t u = r; u < R; ++u)
@@ -338,13 +362,11 @@ struct Scratch {
 // over d, then the sum, then the largest score), handed to fn(c, r, part).
 template <typename T, typename Fn>
 void run_blocks(const Call<T>& a, const Item& it, int64_t c0, int64_t c1, Scratch& s, Fn fn) {
-  const T* kh = a.kc + (it.b * a.KV + it.g) * a.cap * a.D;
-  const T* vh = a.vc + (it.b * a.KV + it.g) * a.cap * a.D;
   const int64_t G = a.G, D = a.D, D2 = D + 2;
   s.scores.resize(it.rows() * G * kBlock);
   s.part.resize(it.rows() * G * D2);
   for (int64_t c = c0; c < c1; ++c) {
-    for_each_tile(a, kh, it, c, s.tile, s.start, [&](int64_t r, const float* k, int64_t len) {
+    for_each_tile(a, a.kc, it, c, s.tile, s.start, [&](int64_t r, const float* k, int64_t len) {
       score_block(it.qf.data() + r * G * D, G, k, len, D, a.scale, s.scores.data() + r * G * kBlock, kBlock);
     });
     for (int64_t r = 0; r < it.rows(); ++r) {
@@ -360,7 +382,7 @@ void run_blocks(const Call<T>& a, const Item& it, int64_t c0, int64_t c1, Scratc
         s.part[(r * G + h) * D2 + D + 1] = m;
       }
     }
-    for_each_tile(a, vh, it, c, s.tile, s.start, [&](int64_t r, const float* v, int64_t len) {
+    for_each_tile(a, a.vc, it, c, s.tile, s.start, [&](int64_t r, const float* v, int64_t len) {
       weigh_block(s.scores.data() + r * G * kBlock, kBlock, G, v, len, D, s.part.data() + r * G * D2, D2);
     });
     for (int64_t r = 0; r < it.rows(); ++r)
@@ -460,18 +482,33 @@ void attend(const Call<T>& a, int64_t B) {
 }  // namespace
 
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor visible,
-                     c10::optional<at::Tensor> key_index) {
+                     c10::optional<at::Tensor> key_index, c10::optional<at::Tensor> pages) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "attention: q [B, T, H, D], keys and values [rows, KV, capacity, D]");
+              "attention: q [B, T, H, D], keys and values [pages, KV, page size, D]");
   TORCH_CHECK(q.device().is_cpu() && keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
               "attention: CPU tensors of one dtype");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "attention: the cache must be contiguous");
-  const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), KV = keys.size(1);
-  TORCH_CHECK(keys.size(3) == D && KV > 0 && H % KV == 0 && keys.size(0) >= B, "attention: shapes do not match");
+  const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), KV = keys.size(1), P = keys.size(2);
+  TORCH_CHECK(keys.size(3) == D && KV > 0 && H % KV == 0 && P > 0, "attention: shapes do not match");
   TORCH_CHECK(visible.dim() == 3 && visible.size(0) == B && visible.size(1) == Tn &&
               visible.scalar_type() == at::kBool, "attention: visible must be bool [B, T, S]");
   visible = visible.contiguous();
   const int64_t S = visible.size(2);
+  const int64_t* table = nullptr;
+  at::Tensor page_table;
+  int64_t np = 1;  // without a table: one page a sequence
+  if (pages.has_value()) {
+    page_table = pages->contiguous();
+    TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == B && page_table.scalar_type() == at::kLong,
+                "attention: pages [B, pages a sequence] int64");
+    table = page_table.data_ptr<int64_t>();
+    np = page_table.size(1);
+    TORCH_CHECK(std::all_of(table, table + page_table.numel(), [&](int64_t p) { return p >= 0 && p < keys.size(0); }),
+                "attention: a page outside the cache");
+  } else {
+    TORCH_CHECK(keys.size(0) >= B, "attention: fewer cache rows than sequences");
+  }
+  const int64_t slots = np * P;  // a sequence's slots
   const int64_t* idx = nullptr;
   at::Tensor index;
   if (key_index.has_value()) {
@@ -479,17 +516,18 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tenso
     TORCH_CHECK(index.sizes() == visible.sizes() && index.scalar_type() == at::kLong, "attention: key_index [B, T, S] int64");
     idx = index.data_ptr<int64_t>();
     const int64_t* end = idx + index.numel();
-    TORCH_CHECK(std::all_of(idx, end, [&](int64_t s) { return s >= 0 && s < keys.size(2); }),
+    TORCH_CHECK(std::all_of(idx, end, [&](int64_t s) { return s >= 0 && s < slots; }),
                 "attention: key_index outside the cache");
   } else {
-    TORCH_CHECK(S <= keys.size(2), "attention: more key slots than the cache holds");
+    TORCH_CHECK(S <= slots, "attention: more key slots than the cache holds");
   }
   auto out = at::empty({B, Tn, H, D}, q.options());
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const Call<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-                    keys.data_ptr<T>(), values.data_ptr<T>(), Tn, H, KV, H / KV, D, keys.size(2), S,
-                    visible.data_ptr<bool>(), idx, 1.0f / std::sqrt(static_cast<float>(D)), out.data_ptr<T>()};
+                    keys.data_ptr<T>(), values.data_ptr<T>(), Tn, H, KV, H / KV, D, P, S,
+                    visible.data_ptr<bool>(), idx, table, np, 1.0f / std::sqrt(static_cast<float>(D)),
+                    out.data_ptr<T>()};
     attend(a, B);
   };
   if (q.scalar_type() == at::kFloat)

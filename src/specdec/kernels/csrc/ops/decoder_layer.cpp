@@ -1,24 +1,29 @@
 #include "../common.h"
 #include "../ops.h"
 
+#include <algorithm>
+
 namespace SPECDEC_QLIB {
 namespace {
 // One decoder layer of a Llama/Qwen2 model on the block kernels, as `models.llama.DecoderLayer` computes it
 // (the same ops in the same order, so the same bits): x + attn(norm1(x)), then + mlp(norm2(.)), where attn
 // is qkv -> rope(q), rope(k) -> k, v written to their cache slots -> attention -> o, and mlp is
 // down(silu(gate) * up).  One call a layer instead of some forty from Python.  weights: [qkv, o, gate_up,
-// down] as segments of blocks with their types; slots [B, T]: the cache slot of each new token.
-void write_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {  // src [B, T, KV, D] rows
-  const int64_t B = src.size(0), Tn = src.size(1), KV = src.size(2), D = src.size(3), cap = cache.size(2);
+// down] as segments of blocks with their types; slots [B, T]: the cache slot of each new token; pages: as
+// `attention`'s.
+void write_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, const int64_t* pages, int64_t np) {
+  // src [B, T, KV, D] rows; cache [pages, KV, P, D]; slot s of row b: page pages[b][s / P] (or b), row s % P
+  const int64_t B = src.size(0), Tn = src.size(1), KV = src.size(2), D = src.size(3), P = cache.size(2);
   const int64_t esize = src.element_size();
   const char* sp = static_cast<const char*>(src.data_ptr());
   char* cp = static_cast<char*>(cache.data_ptr());
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tn; ++t) {
       const int64_t slot = slots[b * Tn + t];
-      TORCH_CHECK(slot >= 0 && slot < cap, "decoder_layer: slot ", slot, " outside the cache");
+      TORCH_CHECK(slot >= 0 && slot < np * P, "decoder_layer: slot ", slot, " outside the cache");
+      const int64_t page = pages ? pages[b * np + slot / P] : b;
       for (int64_t g = 0; g < KV; ++g)
-        std::memcpy(cp + (((b * KV + g) * cap + slot) * D) * esize,
+        std::memcpy(cp + (((page * KV + g) * P + slot % P) * D) * esize,
                     sp + (b * src.stride(0) + t * src.stride(1) + g * src.stride(2)) * esize, D * esize);
     }
 }
@@ -30,21 +35,34 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
                          std::vector<int64_t> o_t, std::vector<at::Tensor> gu_w, std::vector<int64_t> gu_t,
                          std::vector<at::Tensor> dn_w, std::vector<int64_t> dn_t, at::Tensor cos, at::Tensor sin,
                          at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor visible,
-                         c10::optional<at::Tensor> key_index, int64_t H, int64_t KV) {
+                         c10::optional<at::Tensor> key_index, int64_t H, int64_t KV, c10::optional<at::Tensor> pages) {
   TORCH_CHECK(x.dim() == 3 && norms.size() == 2 && cos.dim() == 3, "decoder_layer: x [B, T, hidden], two norms");
   const int64_t B = x.size(0), Tn = x.size(1), Hd = x.size(2), D = cos.size(2);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == KV && k_cache.size(3) == D &&
-              v_cache.sizes() == k_cache.sizes() && k_cache.size(0) >= B, "decoder_layer: cache shapes");
+              v_cache.sizes() == k_cache.sizes(), "decoder_layer: cache shapes");
   slots = slots.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B * Tn, "decoder_layer: slots int64 [B, T]");
+  at::Tensor table;  // checked by `attention` (which runs before any slot is read, after they are written)
+  if (pages.has_value()) {
+    table = pages->contiguous();
+    TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kLong,
+                "decoder_layer: pages [B, pages a sequence] int64");
+    const int64_t* t = table.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(t, t + table.numel(), [&](int64_t p) { return p >= 0 && p < k_cache.size(0); }),
+                "decoder_layer: a page outside the cache");
+  } else {
+    TORCH_CHECK(k_cache.size(0) >= B, "decoder_layer: fewer cache rows than sequences");
+  }
+  const int64_t* page_ptr = pages.has_value() ? table.data_ptr<int64_t>() : nullptr;
+  const int64_t np = pages.has_value() ? table.size(1) : 1;
   const at::Tensor h = rms_norm(x, norms[0], eps);
   const at::Tensor qkv = qmm(h.view({B * Tn, Hd}), qkv_w, qkv_t, qkv_b).view({B, Tn, (H + 2 * KV) * D});
   const at::Tensor q = rope(qkv.narrow(2, 0, H * D).view({B, Tn, H, D}), cos, sin);
   const at::Tensor k = rope(qkv.narrow(2, H * D, KV * D).view({B, Tn, KV, D}), cos, sin);
   const at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, Tn, KV, D});
-  write_slots(k, k_cache, slots.data_ptr<int64_t>());
-  write_slots(v, v_cache, slots.data_ptr<int64_t>());
-  const at::Tensor a = attention(q, k_cache, v_cache, visible, key_index);
+  write_slots(k, k_cache, slots.data_ptr<int64_t>(), page_ptr, np);
+  write_slots(v, v_cache, slots.data_ptr<int64_t>(), page_ptr, np);
+  const at::Tensor a = attention(q, k_cache, v_cache, visible, key_index, pages);
   const at::Tensor x1 = at::add(x, qmm(a.view({B * Tn, H * D}), o_w, o_t, c10::nullopt).view({B, Tn, Hd}));
   const at::Tensor gu = qmm(rms_norm(x1, norms[1], eps).view({B * Tn, Hd}), gu_w, gu_t, c10::nullopt);
   const int64_t I = gu.size(1) / 2;
