@@ -292,6 +292,7 @@ def test_saved_blocks_load_back_the_slots_they_were_copied_from(block_size, shif
 def test_runs_of_consecutive_block_ids():
     assert prefix_cache._runs([4, 5, 6, 0, 9, 10]) == [(0, 4, 3), (3, 0, 1), (4, 9, 2)]
     assert prefix_cache._runs([1, 0]) == [(0, 1, 1), (1, 0, 1)] and prefix_cache._runs([]) == []
+    assert prefix_cache._runs([4, 5, 6, 0, 9, 10], [0, 1, 3, 4, 5, 6]) == [(0, 4, 2), (2, 6, 1), (3, 0, 1), (4, 9, 2)]
 
 
 @pytest.mark.parametrize("max_runs", [8, 1], ids=["by-runs", "gathered"])

@@ -64,12 +64,13 @@ def next_key(key: bytes, tokens) -> bytes:
     return hashlib.sha256(key + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(start, first id, count) of each run of consecutive ids. Example: [4, 5, 6, 0, 9, 10] -> [(0, 4, 3),
-    (3, 0, 1), (4, 9, 2)]."""
+def _runs(ids: list[int], pages: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """(start, first id, count) of each run of consecutive ids (and, given `pages`, of consecutive pages at the
+    same places: a run is then one slice of the pool and one of the cache). Example: [4, 5, 6, 0, 9, 10] ->
+    [(0, 4, 3), (3, 0, 1), (4, 9, 2)]; with pages [0, 1, 3, 4, 5, 6] -> [(0, 4, 2), (2, 6, 1), (3, 0, 1), (4, 9, 2)]."""
     runs: list[tuple[int, int, int]] = []
     for i, block_id in enumerate(ids):
-        if runs and block_id == runs[-1][1] + runs[-1][2]:
+        if runs and block_id == runs[-1][1] + runs[-1][2] and (pages is None or pages[i] == pages[i - 1] + 1):
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((i, block_id, 1))
@@ -173,19 +174,18 @@ class PrefixCache:
         pool, m, ids = self.pools[name], len(todo), [block.id for _, block in todo]
         index = torch.tensor(ids, device=device)
         if shift == 0 and B == PAGE and todo[-1][0] < len(cache.pages[row]):
-            # block i is page i of the row: each layer's pages copied into the pool's blocks (the same layout,
-            # [kv_heads, B, head_dim]), one copy (10k tokens on 2 AVX2 cores: 0.35 s through gathered and
-            # stacked copies of a row's slots, 0.11 s as runs of blocks)
-            pages = cache.table[row, torch.tensor([i for i, _ in todo], device=device)]
-            runs = _runs(ids)
-            runs = runs if len(runs) <= MAX_RUNS else None
+            # block i is page i of the row, in the same layout ([kv_heads, B, head_dim]): each layer's pages
+            # copied into the pool's blocks, a slice per run of both (10k tokens on 2 AVX2 cores: 0.35 s through
+            # gathered and stacked copies of a row's slots, 0.11 s as runs of blocks)
+            pages = [cache.pages[row][i] for i, _ in todo]
+            runs = _runs(ids, pages)
+            page_index = torch.tensor(pages, device=device) if len(runs) > MAX_RUNS else None
             for layer, kv in enumerate(cache.keys + cache.values):
-                blocks = kv.index_select(0, pages)  # [m, kv_heads, B, hd]
-                if runs is None:
-                    pool.select(1, layer).index_copy_(0, index, blocks)
-                else:
+                if page_index is None:
                     for start, first_id, count in runs:
-                        pool[first_id:first_id + count, layer].copy_(blocks[start:start + count])
+                        pool[first_id:first_id + count, layer].copy_(kv[pages[start]:pages[start] + count])
+                else:
+                    pool.select(1, layer).index_copy_(0, index, kv.index_select(0, page_index))
         else:
             slots = torch.tensor([i * B + t - shift for i, _ in todo for t in range(B)], device=device)
             slots.clamp_(min=0, max=len(cache.pages[row]) * PAGE - 1)
@@ -210,15 +210,16 @@ class PrefixCache:
             # block i into page i of the row, each layer's blocks copied straight into the row's pages (10k
             # tokens on 2 AVX2 cores: 0.16 s through a gathered copy of the blocks, 0.05 s so)
             cache.reserve(row, m * B)
-            pages = cache.table[row, :m]
-            runs = _runs([block.id for block in blocks])
-            index = torch.tensor([block.id for block in blocks], device=device) if len(runs) > MAX_RUNS else None
+            pages, ids = cache.pages[row][:m], [block.id for block in blocks]
+            runs = _runs(ids, pages)
+            if len(runs) > MAX_RUNS:
+                page_index, index = torch.tensor(pages, device=device), torch.tensor(ids, device=device)
             for layer, kv in enumerate(cache.keys + cache.values):
-                if index is None:  # each run of consecutive pool blocks, one copy
+                if len(runs) <= MAX_RUNS:  # a slice per run of both
                     for start, first_id, count in runs:
-                        kv.index_copy_(0, pages[start:start + count], pool[first_id:first_id + count, layer])
+                        kv[pages[start]:pages[start] + count].copy_(pool[first_id:first_id + count, layer])
                 else:
-                    kv.index_copy_(0, pages, pool.select(1, layer).index_select(0, index))
+                    kv.index_copy_(0, page_index, pool.select(1, layer).index_select(0, index))
         else:
             cache.reserve(row, n)
             ids = torch.tensor([block.id for block in blocks], device=device)
