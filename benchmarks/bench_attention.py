@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import checkouts
+
 TARGET = "qwen2.5-coder-1.5b-instruct"
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_BENCH = ROOT.parent / "shared" / "tools" / "llama.cpp-avx2" / "llama-bench"
@@ -160,14 +162,9 @@ def _gaps(engine, long_prompt: list[int]) -> dict:
 
 
 def run_worker(src: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
-    cmd = [sys.executable, __file__, "--worker", "--depth", str(args.depth), "--threads", str(args.threads)]
-    cmd += ["--itl"] if args.itl else []
-    cmd += ["--op-only"] if args.op_only else []
-    cmd += ["--fill"] if args.fill else []
-    cmd += ["--itl-only"] if args.itl_only else []
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    flags = [f"--{name.replace('_', '-')}" for name in ("itl", "op_only", "fill", "itl_only") if getattr(args, name)]
+    return checkouts.run_worker(__file__, src, args.threads, "--depth", str(args.depth), "--threads",
+                                str(args.threads), *flags)
 
 
 def llama_bench(path: Path, gguf: Path, depth: int, threads: int) -> dict:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+import checkouts
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -49,10 +48,8 @@ def worker(long_tokens: int, short: int) -> dict:
 
 
 def run_worker(src: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
-    cmd = [sys.executable, __file__, "--worker", "--long-tokens", str(args.long_tokens), "--short", str(args.short)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return checkouts.run_worker(__file__, src, args.threads, "--long-tokens", str(args.long_tokens),
+                                "--short", str(args.short))
 
 
 def main() -> None:

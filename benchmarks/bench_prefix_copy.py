@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+import checkouts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,10 +80,7 @@ def worker(tokens: int, repeats: int) -> dict:
 
 
 def run_worker(src: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
-    cmd = [sys.executable, __file__, "--worker", "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return checkouts.run_worker(__file__, src, args.threads, "--tokens", str(args.tokens), "--repeats", str(args.repeats))
 
 
 def main() -> None:
