@@ -5,8 +5,9 @@
 1. Idle sockets: 300 sockets that send nothing, kept open for `--idle-s` seconds (reopened as the server's
    headers deadline closes them); meanwhile `/health` and a short greedy chat request every few seconds.
    Goal: each answers in under 1 s (the chat request: its time to first token).
-2. A tokenize flood: 8 concurrent 3 MB `/tokenize` calls (English prose), beside one greedy stream. Goal:
-   each refused (400, context_length_exceeded) in under 0.1 s; the stream's text and time as without it.
+2. A tokenize flood: 8 concurrent 3 MB `/tokenize` calls (English prose), beside one greedy stream
+   (`--flood-rounds` times). Goal: each refused (400, context_length_exceeded) in under 0.1 s; the stream's
+   text and time as without it.
 3. The secret-confirmation probe through suffix drafts: a victim without a `cache_salt` has the model write
    a note holding a sentence with a secret; the prober, also unsalted, asks the model to repeat that
    sentence with the right secret or a wrong one (its prompt shares no prefix with the victim's but the
@@ -122,11 +123,23 @@ def _closed(s: socket.socket) -> bool:
         s.setblocking(True)
 
 
-def tokenize_flood(url: str, calls: int = 8, size: int = 3_000_000) -> dict:
-    """`calls` concurrent `size`-byte /tokenize calls beside one greedy stream, and that stream alone."""
+def tokenize_flood(url: str, calls: int = 8, size: int = 3_000_000, rounds: int = 1) -> dict:
+    """`rounds` times: `calls` concurrent `size`-byte /tokenize calls beside one greedy stream; and that
+    stream alone, once. Each round's refusal times sorted, its stream's text compared with the one alone."""
     body = json.dumps({"prompt": (PROSE * (size // len(PROSE) + 1))[:size]}).encode()
     prompt = "Write a Python function that checks whether a number is prime."
     alone = chat(url, prompt, stream=True)
+    results = [_flood_round(url, body, prompt, calls) for _ in range(rounds)]
+    slowest = [r["refusal_s"][-1] for r in results]
+    return {"calls": calls, "bytes": size, "rounds": rounds,
+            "refused": sum(r["refused"] for r in results), "refusal_s": [r["refusal_s"] for r in results],
+            "slowest_per_round": slowest, "rounds_all_under_0.1_s": sum(s < 0.1 for s in slowest),
+            "stream_same_text": all(r["text"] == alone["text"] for r in results),
+            "stream_s_alone": round(alone["seconds"], 2),
+            "stream_s_beside": [round(r["seconds"], 2) for r in results]}
+
+
+def _flood_round(url: str, body: bytes, prompt: str, calls: int) -> dict:
     answers: list[tuple[float, int, str]] = []
 
     def one(client: http.client.HTTPConnection) -> None:
@@ -154,11 +167,9 @@ def tokenize_flood(url: str, calls: int = 8, size: int = 3_000_000) -> dict:
         t.join()
     for client in clients:
         client.close()
-    return {"calls": calls, "bytes": size, "refused": sum(s == 400 and c == "context_length_exceeded"
-                                                          for _, s, c in answers),
-            "refusal_s": sorted(round(t, 3) for t, _, _ in answers),
-            "stream_same_text": beside["text"] == alone["text"],
-            "stream_s_alone": round(alone["seconds"], 2), "stream_s_beside": round(beside["seconds"], 2)}
+    return {"refused": sum(s == 400 and c == "context_length_exceeded" for _, s, c in answers),
+            "refusal_s": sorted(round(t, 3) for t, _, _ in answers), "text": beside["text"],
+            "seconds": beside["seconds"]}
 
 
 def secret_probe(url: str, trials: int, seed: int, victim: str = "note") -> dict:
@@ -199,6 +210,7 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", default="idle,flood,probe", help="which parts to run")
+    ap.add_argument("--flood-rounds", type=int, default=1, help="rounds of the tokenize flood, each beside a stream")
     ap.add_argument("--victim", choices=("note", "repeat"), default="note",
                     help="the victim's request: a note holding the sentence (no prompt prefix shared with the "
                          "prober's), or the very repetition the prober asks for (the same prompt: the prefix "
@@ -217,7 +229,7 @@ def main() -> None:
                 result["idle"] = idle_sockets(url, int(url.rsplit(":", 1)[1]), 300, args.idle_s)
                 print("idle sockets:", result["idle"], flush=True)
             if name == "defaults" and "flood" in args.parts:
-                result["flood"] = tokenize_flood(url)
+                result["flood"] = tokenize_flood(url, rounds=args.flood_rounds)
                 print("tokenize flood:", result["flood"], flush=True)
             if "probe" in args.parts:
                 result[f"probe {name}"] = secret_probe(url, args.trials, args.seed, args.victim)

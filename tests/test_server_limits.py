@@ -115,6 +115,26 @@ def test_keep_alive_idleness_and_the_next_head_are_bounded_too(live):
         assert HEADERS_S - 0.2 < took < HEADERS_S + 1.5, took
 
 
+def test_a_head_over_16_kb_is_refused_and_closed_and_pipelined_requests_are_answered(live):
+    """The parser keeps no bound of its own on a request's head: past 16 KB of target and headers the
+    connection gets a 400 and is closed. Two requests sent in one write are both answered, in order, and the
+    second's head, already read, is not cut off by the deadline armed when the first's answer ends."""
+    from specdec.server.limits import MAX_HEAD_BYTES
+
+    with connect(live) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * (MAX_HEAD_BYTES + 1) + b"\r\n\r\n")
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 400")
+    with connect(live) as sock:  # just under the bound: answered
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (MAX_HEAD_BYTES - 100) + b"\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    with connect(live) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n"
+                     b"Connection: close\r\n\r\n")
+        answers = read_until_closed(sock)
+    assert answers.startswith(b"HTTP/1.1 200") and answers.count(b"HTTP/1.1 200") == 2, answers[:300]
+    assert b'"object":"list"' in answers
+
+
 def test_a_body_that_does_not_arrive_in_time_is_answered_408_and_closed(live):
     with connect(live) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -197,7 +197,8 @@ def test_fewest_tokens_with_enough_weighs_pieces_and_may_stop_past_it(tiny, monk
     in the whole text), so the bound is the whole text's unless it passes `enough`; then it is still a lower
     bound, past `enough`, from the pieces read so far."""
     monkeypatch.setattr(tokenizer_module, "WEIGH_PIECE", 7)
-    for text in ("abcdef" * 100, "x" * 1300, "ab" + "x" * 13 + "cd" * 9, "é" * 100, "aab" * 50, ""):
+    for text in ("abcdef" * 100, "x" * 1300, "ab" + "x" * 13 + "cd" * 9, "é" * 100, "aab" * 50, "中中文" * 30,
+                 "😀😀x" * 20, ""):  # pieces are characters: an edge byte is classed by the next character's bytes
         whole = tiny.fewest_tokens(text)
         assert tiny.fewest_tokens(text, enough=whole) == whole  # never past it: every piece weighed
         if whole > 2:
