@@ -948,7 +948,7 @@ SERVER_PROCESS = textwrap.dedent("""
     from specdec.server.cli import _serve, add_serve_arguments
 
     class FakeLLM:
-        engine = FakeEngine(step_delay=0.05, tokens_per_step=1)
+        engine = FakeEngine(step_delay={step_delay!r}, tokens_per_step=1)
 
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args({args!r})
     sys.exit(_serve(FakeLLM(), ["fake-model"], args))
@@ -956,11 +956,12 @@ SERVER_PROCESS = textwrap.dedent("""
 
 
 @contextlib.contextmanager
-def server_process(*flags: str):
-    """`_serve` (what `specdec serve` runs) over a FakeEngine (~2.5 s per chat answer) in a process of its
-    own: yields (process, url); its output must hold no traceback."""
+def server_process(*flags: str, step_delay: float = 0.05):
+    """`_serve` (what `specdec serve` runs) over a FakeEngine (~2.5 s per chat answer at a `step_delay` of
+    0.05 s) in a process of its own: yields (process, url); its output must hold no traceback."""
     port = free_port()
-    code = SERVER_PROCESS.format(tests=str(Path(__file__).parent), args=["--port", str(port), *flags])
+    code = SERVER_PROCESS.format(tests=str(Path(__file__).parent), args=["--port", str(port), *flags],
+                                 step_delay=step_delay)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -980,8 +981,10 @@ def streamed_events(lines) -> list[dict | str]:
 
 def test_sigterm_drains_then_exits():
     """SIGTERM mid-stream: /health and new requests are answered 503 at once, the stream in flight runs to
-    its end untouched, then the process exits 0."""
-    with server_process() as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
+    its end untouched, then the process exits 0. The answer takes ~7.5 s, so that the checks made while it
+    drains end before it does on a loaded machine too (with ~2.5 s answers the test failed at times under load;
+    a check made after the answer's end finds the process gone)."""
+    with server_process(step_delay=0.15) as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
             c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
