@@ -41,8 +41,8 @@ class DeadlineHttpToolsProtocol(HttpToolsProtocol):
     of the ~8 ms a refused 3 MB /tokenize call costs the server) with a deadline for each request's head
     (`timeout_headers`, set by `uvicorn_config`) and a bound on its size (`MAX_HEAD_BYTES`, h11's 16 KB:
     llhttp keeps no bound of its own, uvicorn gathers the headers in a list). It relies on HttpToolsProtocol's
-    `cycle`, `transport`, `loop`, `on_message_begin`, `on_url`, `on_header`, `on_headers_complete` and
-    `on_response_complete`, stable since uvicorn 0.15."""
+    `cycle`, `transport`, `loop` and its parser callbacks (`on_message_begin`, `on_url`, `on_header`,
+    `on_headers_complete`) and `on_response_complete`, as uvicorn 0.55 has them (`tests/test_server_limits.py`)."""
 
     timeout_headers = DEFAULT_TIMEOUT_HEADERS
     _headers_timer: asyncio.TimerHandle | None = None
