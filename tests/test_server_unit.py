@@ -1000,6 +1000,42 @@ def test_sigterm_drains_then_exits():
         assert proc.wait(timeout=15) == 0
 
 
+def _thread_nice(pid: int) -> dict[int, int]:
+    """Each thread's nice value (field 19 of /proc/PID/task/TID/stat), by thread id."""
+    nice = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                nice[int(tid)] = int(f.read().rpartition(")")[2].split()[16])
+    return nice
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("flags, steps", [((), 5), (("--engine-nice", "2"), 2), (("--engine-nice", "0"), 0)])
+def test_the_engine_threads_run_nicer_than_the_http_thread(flags, steps):
+    """The engine loop (the main thread) and the threads started before the server are `steps` of nice below
+    the process's start; the HTTP thread, and the threads it starts, keep it; the server answers as usual."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with server_process(*flags) as (proc, url), httpx.Client(base_url=url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=chat_body())
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected_chat_reply()
+        nice = _thread_nice(proc.pid)
+        assert nice[proc.pid] == min(19, base + steps), nice  # the main thread: the engine loop
+        assert base in nice.values(), nice  # the HTTP thread
+        assert set(nice.values()) <= {base, min(19, base + steps)}, nice
+
+
+def test_the_engine_nice_flag():
+    from specdec.server.cli import add_serve_arguments
+
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).engine_nice == 5
+    assert parser.parse_args(["--engine-nice", "19"]).engine_nice == 19
+    for bad in ("-1", "20", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--engine-nice", bad])
+
+
 def test_sigterm_cancels_what_outlasts_the_shutdown_timeout():
     with server_process("--shutdown-timeout", "0.5") as (proc, url), httpx.Client(base_url=url, timeout=10) as c, \
             c.stream("POST", "/v1/chat/completions", json=chat_body("long", stream=True)) as r:
