@@ -18,7 +18,7 @@ from specdec.engine import Engine
 from specdec.engine.memory import GiB, MemoryBudgetError, plan_memory
 from specdec.models.kv_cache import PAGE, KVCache, KVCacheFull
 from test_engine_tiny import MAX_LEN, make_proposer, run, target
-from test_prefix_cache import KINDS, make_engine
+from test_prefix_cache import KINDS, assert_pages_accounted, make_engine
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_intra_op_thread)
 
@@ -90,7 +90,8 @@ def test_rows_take_pages_as_they_grow_and_give_them_back():
 def test_a_long_sequence_among_short_ones_keeps_every_output_exact(kind, k, prefix_blocks):
     """4 rows share a pool of 256 slots (+ the drafts' pads): the long request (210 slots) joins beside the
     short ones while their lengths fit, waits while they do not, the short ones behind it wait for it, and
-    every output is the unbatched one."""
+    every output is the unbatched one. With the prefix cache, the long prompt sent again maps the first one's
+    pages, which count once, and runs beside it."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=4)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN, max_batch_size=4,
                     row_tokens=MAX_LEN, prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=48)
@@ -101,10 +102,10 @@ def test_a_long_sequence_among_short_ones_keeps_every_output_exact(kind, k, pref
     def on_step(_outputs):
         ids = [s.request_id for s in engine.running] + ([engine.prefilling.request_id] if engine.prefilling else [])
         batches.append(ids)
-        held = sum(map(len, engine.cache.pages))
-        assert held + len(engine.cache.free) == pool and held * PAGE <= pool * PAGE  # no page lost or shared
-        if engine.proposer.cache is not None:
-            assert sum(map(len, engine.proposer.cache.pages)) <= engine.proposer.cache.num_pages
+        assert_pages_accounted(engine)  # no page lost, or shared but by the prefix cache's mapped blocks
+        own = {page for row in engine.cache.pages for page in row}  # the rows' pages the prefix cache does not hold
+        own -= engine.prefix_cache.held_pages.get("target", set()) if engine.prefix_cache else set()
+        assert len(own) <= engine.cache.row_pages
 
     requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                 for rid, prompt, n, _ in REQUESTS]
@@ -112,9 +113,35 @@ def test_a_long_sequence_among_short_ones_keeps_every_output_exact(kind, k, pref
     for rid, prompt, n, _ in REQUESTS:
         assert tuple(finals[rid].token_ids) == unbatched(prompt, n), f"request {rid}"
     assert any("long" in ids and len(ids) > 1 for ids in batches)  # beside short ones
-    assert not any("long" in ids and "again" in ids for ids in batches)  # two long ones do not fit together
-    assert len(engine.cache.free) == pool  # every page back
+    # two long ones do not fit together, but with the prefix cache the second maps the first's prompt pages,
+    # which count once (as the prefix cache's), and runs beside it
+    assert any("long" in ids and "again" in ids for ids in batches) == (prefix_blocks > 0)
+    assert len(engine.cache.free) + assert_pages_accounted(engine)["target"] == pool  # every page back (or cached)
     assert finals["again"].metrics.cached_tokens == (len(LONG) - 1) * (prefix_blocks > 0)  # blocks and a tail
+
+
+@pytest.mark.parametrize("prefix_blocks", [0, 64], ids=["no prefix cache", "prefix cache"])
+def test_requests_sharing_a_long_prompt_hold_it_once(prefix_blocks):
+    """A pool of 256 slots (16 pages + a page a row), 4 rows, and 4 requests of one 150-token prompt with 20
+    tokens each to write: each may come to hold 11 pages, so two do not fit together (22 > 20) and without a
+    prefix cache they run one at a time. With it, each maps the 9 whole pages the first one's prompt wrote,
+    which count as the prefix cache's: all four run together (2 + 2 + 2 + 11 pages), with the outputs of one
+    alone."""
+    prompt = tuple((11 * i + 3) % 90 for i in range(150))
+    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN,
+                    prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=64)
+    assert engine.cache.row_pages == 20
+    widest = []
+
+    def on_step(_outputs):
+        widest.append(len(engine.running))
+        assert_pages_accounted(engine)
+
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    finals = run(engine, [(str(i), prompt, p) for i in range(4)], on_step=on_step)
+    assert max(widest) == (4 if prefix_blocks else 1)
+    assert all(tuple(out.token_ids) == unbatched(prompt, 20) for out in finals.values())
+    assert [finals[str(i)].metrics.cached_tokens for i in range(4)] == [0] + [149 * (prefix_blocks > 0)] * 3
 
 
 def test_a_request_longer_than_the_context_is_refused():

@@ -7,6 +7,7 @@ the target. Plus the block keys, the copies in and out of the pool, and the salt
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import lru_cache
 
 import pytest
@@ -51,7 +52,7 @@ def random_head(method: str):
     return head.attach(model).eval()
 
 
-def make_engine(kind: str, chunk: int = 64, blocks: int = 0, batch: int = 2, **kw) -> Engine:
+def make_engine(kind: str, chunk: int = 64, blocks: int = 0, batch: int = 2, block: int = BLOCK, **kw) -> Engine:
     vocab, k = 97, 3
     if kind == "plain":
         proposer, k = None, 0
@@ -65,7 +66,7 @@ def make_engine(kind: str, chunk: int = 64, blocks: int = 0, batch: int = 2, **k
         tree = default_tree(k) if kind == "eagle tree" else None
         proposer = EagleProposer(random_head("eagle"), vocab, batch, MAX_LEN, tree, max_depth=k)
     return Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN, max_batch_size=batch,
-                  prefill_chunk=chunk, prefix_cache_blocks=blocks, prefix_block_size=BLOCK, **kw)
+                  prefill_chunk=chunk, prefix_cache_blocks=blocks, prefix_block_size=block, **kw)
 
 
 def cold(kind: str, chunk: int, prompt, p: SamplingParams) -> list[int]:
@@ -73,38 +74,63 @@ def cold(kind: str, chunk: int, prompt, p: SamplingParams) -> list[int]:
     return run(make_engine(kind, chunk), [("cold", prompt, p)])["cold"].token_ids
 
 
-def cached(blocks: int, kind: str, tail: int = 0) -> int:
+def cached(blocks: int, kind: str, tail: int = 0, block: int = BLOCK) -> int:
     """Prompt tokens a hit of `blocks` whole blocks and a `tail` spares: EAGLE takes no tails (they hold no
     pairs of its own), and proposers on the target's features recompute the last token."""
-    tokens = blocks * BLOCK + (tail if kind not in ("eagle", "eagle tree") else 0)
+    tokens = blocks * block + (tail if kind not in ("eagle", "eagle tree") else 0)
     return tokens - (kind in HEADS and tokens > 0)
 
 
+def assert_pages_accounted(engine: Engine) -> dict[str, int]:
+    """Every page of every cache is held by as many as its count says (rows, and prefix-cache blocks mapping
+    it), and free exactly when none holds it: none is lost, freed twice, or shared without its count. Returns
+    the pages the prefix cache holds, by cache."""
+    pc, cached = engine.prefix_cache, {}
+    for name, cache in {"target": engine.cache, **engine.proposer.kv_caches}.items():
+        held = [block.pages[name] for block in pc.blocks.values() if name in block.pages] if pc else []
+        holders = Counter(held + [page for row in cache.pages for page in row])
+        assert len(set(held)) == len(held) and len(set(cache.free)) == len(cache.free), name
+        assert [cache.refs[page] for page in range(cache.num_pages)] == [holders[page] for page in range(cache.num_pages)]
+        assert set(cache.free) == {page for page in range(cache.num_pages) if not holders[page]}, name
+        assert pc is None or (name in pc.mapped) == (name not in pc.pools), name
+        cached[name] = len(held)
+    return cached
+
+
 # ------------------------------------------------------------------------------------------- exactness
+# (whole blocks, tail) each request finds, by block size: 8 (copied blocks), 16 (a page: the target's
+# blocks and a draft model's are the pages their rows wrote, mapped into the rows that find them)
+HITS = {8: {"again": (4, 4), "next turn": (6, 4), "mid-block": (2, 0), "other": (0, 0)},
+        16: {"again": (2, 4), "next turn": (3, 4), "mid-block": (1, 0), "other": (0, 0)}}
+
+
+@pytest.mark.parametrize("block", [8, 16], ids=["copied", "mapped"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("chunk", [3, 64])
 @pytest.mark.parametrize("kind", KINDS)
-def test_hits_give_the_outputs_of_an_engine_without_a_cache(kind, chunk, sampled):
+def test_hits_give_the_outputs_of_an_engine_without_a_cache(kind, chunk, sampled, block):
     """A 37-token prompt, then: the same prompt (its first 36 tokens cached when the first request's prompt
-    was in: 4 blocks and a tail of 4), the next turn of that conversation (its first 52 tokens cached by the
-    first request through its output: 6 blocks and a tail of 4), a prompt sharing 21 tokens with the first (a
-    hit ending mid-block: 2 blocks, no tail) and one sharing nothing; the last three together in a batch of
-    two (a hit restores its row while another sequence decodes, and rows move as they leave)."""
-    engine = make_engine(kind, chunk, blocks=64)
+    was in: 4 blocks of 8 and a tail of 4), the next turn of that conversation (its first 52 tokens cached by
+    the first request through its output: 6 blocks of 8 and a tail of 4), a prompt sharing 21 tokens with the
+    first (a hit ending mid-block: 2 blocks of 8, no tail) and one sharing nothing; the last three together in
+    a batch of two (a hit restores its row while another sequence decodes, and rows move as they leave). In
+    blocks of 16 the same requests find 2 blocks and a tail of 4, 3 and 4, 1 and none: mapped pages, which a
+    row that writes past a shared tail copies first. After all, every page is free or held by one block."""
+    engine = make_engine(kind, chunk, blocks=64, block=block)
     first = run(engine, [("first", A, params(sampled, 1))])["first"]
     again = run(engine, [("again", A, params(sampled, 2))])["again"]
-    requests = {
-        "again": (A, params(sampled, 2), (4, 4)),
-        "next turn": (A + tuple(first.token_ids) + (5, 6, 7), params(sampled, 3), (6, 4)),
-        "mid-block": (A[:21] + OTHER[:10], params(sampled, 4), (2, 0)),
-        "other": (OTHER, params(sampled, 5), (0, 0)),
-    }
+    prompts = {"again": A, "next turn": A + tuple(first.token_ids) + (5, 6, 7), "mid-block": A[:21] + OTHER[:10],
+               "other": OTHER}
+    requests = {rid: (prompts[rid], params(sampled, seed), HITS[block][rid])
+                for seed, rid in enumerate(prompts, start=2)}
     outs = {"again": again, **run(engine, [(rid, *requests[rid][:2]) for rid in ("next turn", "mid-block", "other")])}
     assert first.metrics.cached_tokens == 0 and first.token_ids == cold(kind, chunk, A, params(sampled, 1))
     for rid, (prompt, p, (blocks, tail)) in requests.items():
-        assert outs[rid].metrics.cached_tokens == cached(blocks, kind, tail), rid
+        assert outs[rid].metrics.cached_tokens == cached(blocks, kind, tail, block), rid
         assert outs[rid].token_ids == cold(kind, chunk, prompt, p), rid
-    assert engine.metrics.cached_tokens == sum(cached(hit[0], kind, hit[1]) for *_, hit in requests.values())
+    assert engine.metrics.cached_tokens == sum(cached(hit[0], kind, hit[1], block) for *_, hit in requests.values())
+    held = assert_pages_accounted(engine)
+    assert all((count > 0) == (name in engine.prefix_cache.mapped) for name, count in held.items())
 
 
 @pytest.mark.parametrize("kind", ["plain", "draft model", "eagle"])
@@ -175,10 +201,34 @@ def test_a_draft_that_skips_the_prompt_is_restored_nothing():
     assert {r: o.token_ids for r, o in hit.items()} == {r: o.token_ids for r, o in without.items()}
 
 
-def test_a_prompt_is_shared_once_prefilled_while_its_request_runs():
-    engine = make_engine("plain", blocks=64)
+@pytest.mark.parametrize("block", [8, 16], ids=["copied", "mapped"])
+@pytest.mark.parametrize("kind", ["plain", "draft model"])
+def test_a_prompt_is_shared_once_prefilled_while_its_request_runs(kind, block):
+    """b finds a's prompt (36 tokens) while a runs; in blocks of 16 both rows hold the same pages, and each
+    copies the shared tail page before writing its first token there."""
+    engine = make_engine(kind, blocks=64, block=block)
     outs = run(engine, [("a", A, params(False)), ("b", A, params(False))])
     assert [outs[r].metrics.cached_tokens for r in "ab"] == [0, 36] and outs["a"].token_ids == outs["b"].token_ids
+    assert outs["a"].token_ids == cold(kind, 64, A, params(False))
+    assert_pages_accounted(engine)
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft model", "eagle"])
+def test_mapped_blocks_under_memory_pressure_give_their_pages_back(kind):
+    """4 blocks of 16 (each a page of the target's pool set aside for them) and prompts of 1 to 5 blocks, some
+    again: evicted blocks give their pages back, hits give the outputs of an engine without a cache, and at
+    the end every page is free or held once."""
+    engine = make_engine(kind, blocks=4, block=16)
+    z = tuple((5 * i + 1) % 90 for i in range(80))
+    p = SamplingParams(temperature=0.9, top_k=40, max_tokens=8, ignore_eos=True, seed=7)
+    hits = []
+    for i, prompt in enumerate([A, OTHER, A, z, z, A[:21], OTHER]):
+        out = run(engine, [(str(i), prompt, p)])[str(i)]
+        assert out.token_ids == cold(kind, 64, prompt, p), f"request {i}"
+        hits.append(out.metrics.cached_tokens)
+        assert_pages_accounted(engine)
+    assert len(engine.prefix_cache.blocks) == 4 and engine.cache.prefix_pages == 4
+    assert hits[0] == 0 and hits[2] > 0 and hits[4] > 0
 
 
 def test_a_cache_salt_shares_prefixes_only_with_the_same_salt():
@@ -245,6 +295,20 @@ def test_a_sequence_that_fails_leaves_the_cache_exact(fault, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- the pool
+@pytest.mark.parametrize("kind", ["plain", "draft model", "eagle"])
+def test_mapped_caches_hold_the_prefix_cache_blocks_in_their_own_pools(kind):
+    """Blocks of a page: the target's cache and a draft model's have their pools grown by the blocks (rows are
+    admitted to the rest) and no pool of their own in the prefix cache; EAGLE's pairs (shift 1) keep theirs."""
+    base, engine = make_engine(kind, block=16), make_engine(kind, blocks=64, block=16)
+    caches = {"target": (base.cache, engine.cache)}
+    caches |= {name: (base.proposer.kv_caches[name], own) for name, own in engine.proposer.kv_caches.items()}
+    for name, (without, cache) in caches.items():
+        mapped = name == "target" or kind == "draft model"
+        assert cache.num_pages == without.num_pages + 64 * mapped and cache.row_pages == without.num_pages, name
+        assert (name in engine.prefix_cache.pools) != mapped and (name in engine.prefix_cache.mapped) == mapped
+    assert make_engine(kind, blocks=64).prefix_cache.mapped == {}  # blocks of 8: copied
+
+
 def test_block_keys_cover_the_whole_prefix_and_the_salt():
     keys = block_keys(list(A), 8)
     assert len(keys) == 4 and len(set(keys)) == 4  # whole blocks only: 37 tokens, 4 keys
@@ -287,6 +351,94 @@ def test_saved_blocks_load_back_the_slots_they_were_copied_from(block_size, shif
     assert pc.load("x", pc.lookup(keys), dst, 0, shift) == n == dst.lengths[0]
     for a, b in zip(src.keys + src.values, dst.keys + dst.values):
         assert torch.equal(slots(dst, b, 0, n), slots(src, a, 1, n))
+
+
+def test_a_mapped_block_is_the_page_its_row_wrote_and_a_write_copies_a_shared_page():
+    """Row 1's 40 slots saved in blocks of a page: 2 whole blocks and a tail of 8, each the row's own page,
+    held (refs 2). The row leaves: its pages stay cached (refs 1). Row 0 finds them: they are mapped, not
+    copied (refs 2), and read the same bits. Row 0 writing slot 40 (in the tail's page) gets a copy of that
+    page first, so the cached page keeps its bits; truncated into its second page and writing there, it copies
+    that page too, never the first. Cleared, the prefix cache gives every page back."""
+    src, _, _ = random_rows()
+    cache = KVCache(target("fp32").config, 2, 64, torch.float32)
+    cache.prefix_pages = 3
+    cache.reserve(1, 40)
+    for a, b in zip(src.keys + src.values, cache.keys + cache.values):
+        b.copy_(a)
+    cache.advance(1, 40)
+    pc = PrefixCache({"x": cache}, num_blocks=3, block_size=16, mapped=("x",))
+    tokens = list(range(40))
+    keys = pc.keys(tokens, tail=True)
+    pc.save("x", keys, cache, 1, tail=8)
+    pages = list(cache.pages[1])
+    assert [pc.blocks[key].pages["x"] for key in keys] == pages and [cache.refs[q] for q in pages] == [2, 2, 2]
+    before = [slots(cache, kv, 1, 40).clone() for kv in cache.keys + cache.values]
+    free = len(cache.free)
+    cache.clear(1)
+    assert len(cache.free) == free and [cache.refs[q] for q in pages] == [1, 1, 1]
+    tail = pc.tail("x", keys[:2], tokens[32:] + [99])
+    assert pc.load("x", pc.lookup(keys), cache, 0, tail=tail) == 40 == cache.lengths[0]
+    assert cache.pages[0] == pages and [cache.refs[q] for q in pages] == [2, 2, 2] and len(cache.free) == free
+    assert all(torch.equal(slots(cache, kv, 0, 40), b) for kv, b in zip(cache.keys + cache.values, before))
+
+    cache.reserve(0, 41)  # a pass writing slot 40
+    assert cache.pages[0][:2] == pages[:2] and cache.pages[0][2] not in pages and cache.refs[pages[2]] == 1
+    assert cache.table[0, 2] == cache.pages[0][2]
+    for kv in cache.keys + cache.values:
+        kv[cache.pages[0][2], :, 8:] = 7.0  # slot 40 and on, in the row's copy
+    assert all(torch.equal(slots(cache, kv, 0, 40), b) for kv, b in zip(cache.keys + cache.values, before))
+    cache.truncate(0, 20)
+    cache.reserve(0, 22)  # writing slots 20, 21: page 1 copied, page 0 kept
+    assert cache.pages[0][0] == pages[0] and cache.pages[0][1] not in pages and cache.refs[pages[1]] == 1
+    cache.clear(0)
+    assert pc.load("x", pc.lookup(keys), cache, 1, tail=tail) == 40  # the cached pages kept their bits
+    assert all(torch.equal(slots(cache, kv, 1, 40), b) for kv, b in zip(cache.keys + cache.values, before))
+    cache.clear(1)
+    pc.clear()
+    assert sorted(cache.free) == list(range(cache.num_pages)) and not any(cache.refs)
+
+
+def test_a_block_whose_page_a_row_holds_is_not_evicted():
+    """2 blocks, both pages of row 1, which still runs: saving row 0's blocks evicts neither (it would free no
+    memory) and keeps none of row 0's; once row 1 leaves, the same save evicts them, least recently used first."""
+    cache = KVCache(target("fp32").config, 2, 64, torch.float32)
+    cache.prefix_pages = 2
+    pc = PrefixCache({"x": cache}, num_blocks=2, block_size=16, mapped=("x",))
+    for row in (0, 1):
+        cache.reserve(row, 32)
+        cache.advance(row, 32)
+    kept, other = pc.keys(list(range(32))), pc.keys(list(range(100, 132)))
+    pc.save("x", kept, cache, 1)
+    assert pc.shared("x", cache.pages[1]) == 2 and pc.shared("x", cache.pages[0]) == 0
+    pc.save("x", other, cache, 0)
+    assert len(pc.lookup(kept)) == 2 and pc.lookup(other) == []
+    cache.clear(1)
+    pc.save("x", other, cache, 0)
+    assert pc.lookup(kept) == [] and len(pc.lookup(other)) == 2
+    assert pc.shared("x", cache.pages[0]) == 2 and pc.held_pages["x"] == set(cache.pages[0])
+
+
+def test_a_mapped_cache_is_refused_what_it_cannot_hold():
+    cache = KVCache(target("fp32").config, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="set 3 pages aside"):
+        PrefixCache({"x": cache}, num_blocks=3, block_size=16, mapped=("x",))
+    cache.prefix_pages = 3
+    with pytest.raises(ValueError, match="cannot be pages"):
+        PrefixCache({"x": cache}, num_blocks=3, block_size=8, mapped=("x",))
+    pc = PrefixCache({"x": cache}, num_blocks=3, block_size=16, mapped=("x",))
+    cache.reserve(1, 32)
+    cache.advance(1, 32)
+    keys = pc.keys(list(range(32)))
+    with pytest.raises(ValueError, match="shift 0"):
+        pc.save("x", keys, cache, 1, shift=1)
+    pc.save("x", keys, cache, 1)
+    other = KVCache(target("fp32").config, 1, 64, torch.float32)
+    with pytest.raises(ValueError, match="pages of the cache it was created with"):
+        pc.load("x", pc.lookup(keys), other, 0)
+    with pytest.raises(ValueError, match="cannot map"):
+        cache.map(1, [0])
+    with pytest.raises(ValueError, match="shared"):
+        cache.reshape(2, 64)
 
 
 def test_runs_of_consecutive_block_ids():

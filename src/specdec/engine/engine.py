@@ -46,7 +46,7 @@ from specdec.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence, request_grammar
 from specdec.engine.target_pass import PromptRows, verifiable, verify
-from specdec.models.kv_cache import KVCache
+from specdec.models.kv_cache import PAGE, KVCache
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import make_generator
 from specdec.speculative.acceptance import Verdict
@@ -115,32 +115,51 @@ class Engine:
         self._now = controller.clock
         # + the widest draft: a row near the end of the context is padded to the batch's widest (never committed)
         widest = self.proposer.max_width(num_speculative_tokens)
-        self.cache = self._new_cache(max_batch_size, row_tokens, widest)
+        # caches whose prefix-cache blocks are pages of their own pools (see `PrefixCache`)
+        mapped = () if prefix_cache_blocks <= 0 or prefix_block_size != PAGE else \
+            ("target", *(name for name in self.proposer.kv_caches if self.proposer.kv_shift == 0))
+        self.cache = self._new_cache(max_batch_size, row_tokens, widest, prefix_cache_blocks, mapped)
         caches = {"target": self.cache, **self.proposer.kv_caches}
         self.scheduler = Scheduler(max_batch_size, list(caches.values()),
-                                   need=lambda seq: len(seq.prompt_ids) + seq.params.max_tokens + widest)
+                                   need=lambda seq: len(seq.prompt_ids) + seq.params.max_tokens + widest,
+                                   shared=self._shared_pages)
+        self._caches = caches
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.metrics = SpecMetrics()  # cumulative
         self._aborted: set[str] = set()
         self._failed: list[Sequence] = []  # failed in this step (`_isolated`), reported at its end
-        self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size) if prefix_cache_blocks > 0 \
-            else None
+        self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size, mapped) \
+            if prefix_cache_blocks > 0 else None
         self.prefill = Prefill(self.cache, self.proposer, controller, self._now, self.prefix_cache, prefix_isolation)
 
-    def _new_cache(self, max_batch_size: int, row_tokens: int | None, widest: int) -> KVCache:
+    def _shared_pages(self, cache: KVCache, seq: Sequence) -> int:
+        """Whole pages of `seq`'s row of `cache` that the prefix cache holds (`Scheduler`: its memory, not the
+        row's; the row writes only past its length, so it never copies them)."""
+        if self.prefix_cache is None or not self.prefix_cache.mapped:
+            return 0
+        name = next(name for name, c in self._caches.items() if c is cache)
+        return self.prefix_cache.shared(name, cache.pages[seq.row][:cache.lengths[seq.row] // PAGE])
+
+    def _new_cache(self, max_batch_size: int, row_tokens: int | None, widest: int, prefix_pages: int = 0,
+                   mapped: tuple[str, ...] = ()) -> KVCache:
         """The target's cache: `max_batch_size` rows of up to max_model_len + `widest` slots, paged, its pool
         `row_tokens` slots (+ each row's widest draft and a page of rounding); and the proposer's own caches
-        alike, their rows as long as they need (+ what they keep beyond max_model_len + widest)."""
+        alike, their rows as long as they need (+ what they keep beyond max_model_len + widest). A cache named
+        in `mapped` has `prefix_pages` more pages, set aside for the prefix cache's blocks."""
         row_tokens = max_batch_size * self.max_model_len if row_tokens is None else row_tokens
         if row_tokens < self.max_model_len:
             raise ValueError(f"row_tokens {row_tokens} cannot hold one sequence of max_model_len {self.max_model_len}")
         capacity = self.max_model_len + widest
         pages = KVCache.pages_for(row_tokens) + max_batch_size * (KVCache.pages_for(widest) + 1)
-        cache = self.target.new_cache(max_batch_size, capacity, num_pages=pages)
-        for own in self.proposer.kv_caches.values():
+        extra = prefix_pages if "target" in mapped else 0
+        cache = self.target.new_cache(max_batch_size, capacity, num_pages=pages + extra)
+        cache.prefix_pages = extra
+        for name, own in self.proposer.kv_caches.items():
             margin = max(0, own.capacity - self.max_model_len - widest)
+            extra = prefix_pages if name in mapped else 0
             own.reshape(max_batch_size, cache.capacity + margin,
-                        num_pages=pages + max_batch_size * (KVCache.pages_for(margin) + 1))
+                        num_pages=pages + max_batch_size * (KVCache.pages_for(margin) + 1) + extra)
+            own.prefix_pages = extra
         return cache
 
     # the scheduler's queue and batch, the prefix cache's isolation, and the controller's costs, seen from outside

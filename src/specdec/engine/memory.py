@@ -10,7 +10,8 @@ prompt. Every running sequence holds pages of the target's cache and of the draf
 to `max_model_len`, the model's own context by default) side by side with short ones, so the budget decides
 how many sequences run at once. With prefix
 caching, what the running sequences leave of the budget holds cached prefixes (blocks of the target's and
-the draft's K/V; see `specdec.engine.prefix_cache`).
+the draft's K/V, set aside as pages of their pools, or EAGLE's in a pool of their own; see
+`specdec.engine.prefix_cache`).
 
 Example: budget 10 GiB, weights 2.0 + 0.7 GiB, KV 28 KiB/token (target) + 12 KiB/token (draft),
 max_model_len 4096 -> 160 MiB a sequence -> min(requested, 46) sequences. Requesting 8 leaves

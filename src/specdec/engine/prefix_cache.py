@@ -3,8 +3,16 @@
 A sequence's tokens are cut into blocks of `block_size`; block i is keyed by the chain hash (sha256, as
 vLLM) of the salt and of tokens[0 : (i + 1) * block_size], so equal keys mean equal whole prefixes, and a
 request with another `cache_salt` never shares a block. A block holds, for each cache saved into it (the
-target's, and the draft's: a draft model's or EAGLE's), the K/V of its slots, copied out of a row of that
-cache into a pool preallocated for `num_blocks` blocks; restoring copies a chain of blocks back into a row.
+target's, and the draft's: a draft model's or EAGLE's), the K/V of its slots, in one of two ways:
+
+- *mapped* (a cache named in `mapped`, whose blocks are its pages: `block_size` = `PAGE`, slot s of a row
+  holding token s's K/V): the block is the page the row wrote, which the cache holds on (`KVCache.hold`)
+  when the row leaves; restoring maps the chain's pages into the new row (`KVCache.map`), shared, with
+  nothing copied, and a row that writes into a shared page writes a copy of it (`KVCache.reserve`). The
+  pages come out of the cache's own pool, in which the engine sets `num_blocks` pages aside for them.
+- *copied* (the others: EAGLE's pairs, whose blocks straddle pages, and blocks of another size): the slots
+  are copied out of the row into a pool preallocated for `num_blocks` blocks, and back into a row.
+
 The models' kernels give a token's K/V the same bits whatever pass computed it, so a restored prefix is
 exactly what prefilling it would have written.
 
@@ -18,8 +26,10 @@ matches whole or not at all, so a guess at another request's tokens is confirmed
 a whole block is (a match token by token would let an unsalted client read another's prompt one token per
 guess).
 
-When the pool is full, saving evicts the least recently used block. Lookups and saves touch a chain from its
-last block to its first, so a chain loses its deepest blocks first and never a block its kept ones extend.
+When the pool is full, saving evicts the least recently used block, but never one whose pages a row holds too
+(mapped into a running sequence, or still its own: evicting it would free no memory, as vLLM keeps a block
+in use out of its free queue). Lookups and saves touch a chain from its last block to its first, so a chain
+loses its deepest blocks first and never a block its kept ones extend.
 
 Slot s of a row holds what tokens[0 : s + 1 + shift] determine: shift 0 for a model's K/V (token s's), 1
 for EAGLE's (its slot s pairs the feature of token s with token s + 1). Block i then holds slots
@@ -52,6 +62,7 @@ class Block:
     id: int  # index in the pools
     caches: set[str] = field(default_factory=set)  # the names of the caches saved into it
     size: int = 0  # the tokens it holds: block_size, or fewer for a tail
+    pages: dict[str, int] = field(default_factory=dict)  # mapped caches: the page of each that it holds
 
 
 def root_key(salt: str | None) -> bytes:
@@ -92,14 +103,25 @@ def block_keys(tokens: list[int], block_size: int, salt: str | None = None) -> l
 
 
 class PrefixCache:
-    """Blocks of K/V for the caches named in `caches` (their shapes, dtypes and devices), `num_blocks` at most."""
+    """Blocks of K/V for the caches named in `caches` (their shapes, dtypes and devices), `num_blocks` at most;
+    those named in `mapped` (each with `num_blocks` pages set aside in its pool) keep their blocks as pages."""
 
-    def __init__(self, caches: dict[str, KVCache], num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, caches: dict[str, KVCache], num_blocks: int, block_size: int = BLOCK_SIZE,
+                 mapped: tuple[str, ...] = ()) -> None:
         if num_blocks < 1:
             raise ValueError(f"a prefix cache needs at least one block, got {num_blocks}")
+        if mapped and block_size != PAGE:
+            raise ValueError(f"blocks of {block_size} tokens cannot be pages of {PAGE}: only copied caches")
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.mapped = {name: caches[name] for name in mapped}
+        self.held_pages: dict[str, set[int]] = {name: set() for name in mapped}  # the pages its blocks hold
+        for cache in self.mapped.values():
+            if cache.prefix_pages < num_blocks:
+                raise ValueError(f"a mapped cache must set {num_blocks} pages aside, it sets {cache.prefix_pages}")
         self.pools = {}  # name -> [num_blocks, 2 * layers (keys, then values), kv_heads, block_size, head_dim]
         for name, cache in caches.items():
+            if name in self.mapped:
+                continue
             _, kv_heads, _, head_dim = cache.keys[0].shape  # [pages, kv_heads, PAGE, head_dim]
             shape = (num_blocks, 2 * len(cache.keys), kv_heads, block_size, head_dim)
             self.pools[name] = torch.empty(shape, dtype=cache.keys[0].dtype, device=cache.keys[0].device)
@@ -151,8 +173,8 @@ class PrefixCache:
         return next((i for i, block in enumerate(chain) if name not in block.caches), len(chain))
 
     def save(self, name: str, keys: list[bytes], cache: KVCache, row: int, shift: int = 0, tail: int = 0) -> None:
-        """Copy `row` of `cache` into the blocks `keys` (a chain from block 0) that do not hold `name` yet,
-        adding missing blocks (evicting the least recently used ones, never one of this chain's: the chain is
+        """Copy `row` of `cache` into the blocks `keys` (a chain from block 0) that do not hold `name` yet (a
+        mapped cache: hold the row's pages as those blocks), adding missing blocks (evicting the least recently used ones, never one of this chain's: the chain is
         cut there instead). With `tail` > 0 the last key is a tail's, of that many tokens (`keys(..., tail=True)`)."""
         B = self.block_size
         chain: list[Block] = []
@@ -169,6 +191,14 @@ class PrefixCache:
         todo = [(i, block) for i, block in enumerate(chain) if name not in block.caches]
         self._touch(keys[:len(chain)])
         if not todo:
+            return
+        if name in self.mapped:
+            self._check_mapped(name, cache, shift)
+            for i, block in todo:  # (the row holds a page for each slot it committed)
+                block.pages[name] = cache.pages[row][i]
+                cache.hold(block.pages[name])
+                self.held_pages[name].add(block.pages[name])
+                block.caches.add(name)
             return
         device = cache.table.device  # (a tail's slots past its tokens are copied too, never read)
         pool, m, ids = self.pools[name], len(todo), [block.id for _, block in todo]
@@ -198,12 +228,18 @@ class PrefixCache:
     def load(self, name: str, chain: list[Block], cache: KVCache, row: int, shift: int = 0,
              tail: Block | None = None) -> int:
         """Copy the blocks of `chain` (from block 0; each holding `name`), then `tail`'s tokens if given, into
-        `row` of `cache` and set the row's length: the number of slots restored, the blocks' tokens - shift."""
+        `row` of `cache` (a mapped cache: map their pages) and set the row's length: the number of slots
+        restored, the blocks' tokens - shift."""
         blocks = chain + [tail] if tail is not None else chain
         n = sum(block.size for block in blocks) - shift
         cache.clear(row)
         if n <= 0:
             return 0
+        if name in self.mapped:  # the blocks' pages become the row's first ones: nothing copied
+            self._check_mapped(name, cache, shift)
+            cache.map(row, [block.pages[name] for block in blocks])
+            cache.advance(row, n)
+            return n
         B, m, pool = self.block_size, len(blocks), self.pools[name]
         device = cache.table.device
         if shift == 0 and B == PAGE:
@@ -232,19 +268,44 @@ class PrefixCache:
         return n
 
     def clear(self) -> None:
+        for block in self.blocks.values():
+            self._drop_pages(block)
         self.blocks.clear()
         self._used = 0
+
+    def _check_mapped(self, name: str, cache: KVCache, shift: int) -> None:
+        if cache is not self.mapped[name] and cache.keys is not self.mapped[name].keys:
+            raise ValueError(f"cache {name!r} is mapped: its blocks are pages of the cache it was created with")
+        if shift:
+            raise ValueError(f"cache {name!r} is mapped: its slots hold their own tokens' K/V (shift 0), not {shift}")
+
+    def shared(self, name: str, pages: list[int]) -> int:
+        """How many of `pages` (a row's, of cache `name`) are pages the blocks hold: memory counted as the
+        prefix cache's, not the row's (`Scheduler`)."""
+        held = self.held_pages.get(name)
+        return sum(page in held for page in pages) if held else 0
+
+    def _in_use(self, block: Block) -> bool:
+        """Whether a row holds one of the pages of `block` too."""
+        return any(self.mapped[name].refs[page] > 1 for name, page in block.pages.items())
+
+    def _drop_pages(self, block: Block) -> None:
+        for name, page in block.pages.items():
+            self.mapped[name].release(page)
+            self.held_pages[name].discard(page)
+        block.pages.clear()
 
     def _allocate(self, key: bytes, keep: set[int], size: int) -> Block | None:
         if self._used < self.num_blocks:
             block = Block(self._used)
             self._used += 1
         else:
-            victim_key, block = next(iter(self.blocks.items()))
-            if block.id in keep:
+            victim_key, block = next(((k, b) for k, b in self.blocks.items() if not self._in_use(b)), (None, None))
+            if block is None or block.id in keep:
                 return None
             del self.blocks[victim_key]
             block.caches.clear()
+            self._drop_pages(block)
         block.size = size
         self.blocks[key] = block
         return block

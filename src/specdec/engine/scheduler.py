@@ -13,6 +13,11 @@ the pages its batch may come to hold fit every cache's pool: its length, prompt 
 draft), is what it is admitted by, and the requests behind it wait (first come, first served). Example: a pool
 of 32768 slots, 8 rows; a 30k-token prompt joins beside two short requests if their lengths and its own add
 up to at most 32768, and waits for them otherwise; the requests behind it wait until it fits.
+
+A running sequence's whole pages that the prefix cache holds (a prompt it found cached, mapped into its row,
+or its own prompt's blocks, kept for later requests) count as the prefix cache's memory, not its own (`shared`):
+sequences sharing a long prompt hold it once. Example: pages of 16, a 4,096-slot pool and a 2,048-token system
+prompt: four requests of it with 256 tokens each to write fit together, where alone each would count 2,304.
 """
 
 from __future__ import annotations
@@ -30,13 +35,17 @@ class Scheduled(Protocol):
 
 class Scheduler:
     def __init__(self, max_batch_size: int, caches: list[KVCache],
-                 need: Callable[[Scheduled], int] = lambda seq: 0) -> None:
+                 need: Callable[[Scheduled], int] = lambda seq: 0,
+                 shared: Callable[[KVCache, Scheduled], int] = lambda cache, seq: 0) -> None:
         """`need(seq)`: the slots `seq` may take in a row of the first cache (the target's); the others add
-        what their rows hold beyond the target's (`capacity` - the first's: a proposer's own drafts)."""
+        what their rows hold beyond the target's (`capacity` - the first's: a proposer's own drafts).
+        `shared(cache, seq)`: pages of the running `seq`'s row of `cache` that the prefix cache holds, and that
+        it will never write again (counted as the prefix cache's)."""
         self.max_batch_size = max_batch_size
         self.caches = caches  # every cache with a row per sequence: rows move and are freed in all of them
         self.margins = [c.capacity - caches[0].capacity for c in caches]
         self.need = need
+        self.shared = shared
         self.waiting: deque = deque()
         self.running: list = []
         self.prefilling = None  # joining: its prompt part-way into the caches, in row len(running)
@@ -89,10 +98,11 @@ class Scheduler:
                 self._move(self.prefilling, len(self.running))
 
     def _fit(self, seq: Scheduled) -> bool:
-        """Whether the pages the running batch and `seq` may come to hold fit every cache's pool."""
+        """Whether the pages the running batch and `seq` may come to hold, less those the prefix cache holds
+        for them, fit every cache's pool (the rows' part of it)."""
         needs = [self.need(s) for s in [*self.running, seq]]
-        return all(sum(cache.pages_for(n + margin) for n in needs) <= cache.num_pages
-                   for cache, margin in zip(self.caches, self.margins))
+        return all(sum(cache.pages_for(n + margin) for n in needs) - sum(self.shared(cache, s) for s in self.running)
+                   <= cache.row_pages for cache, margin in zip(self.caches, self.margins))
 
     def _move(self, seq: Scheduled, row: int) -> None:
         """Move `seq` into the free `row` in every cache, and free the row it leaves."""

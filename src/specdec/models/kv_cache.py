@@ -20,6 +20,15 @@ accepted path is nodes 0, 2, 5 -> `commit(0, [0, 2, 5])` copies slots 12, 15 to 
 lengths = [13].
 Pool example: 3 rows, a pool of 8 pages of 16: row 0 holds 100 tokens (7 pages), row 1 holds 10 (1 page),
 row 2 nothing: row 2 can take no page until a row is cleared.
+
+Shared pages: a page may be held by several rows and by the prefix cache at once (`refs` counts its
+holders; it is free when none holds it). The prefix cache keeps a finished sequence's whole blocks as the
+pages its row wrote (`hold`), and a request that finds them cached maps them into its row (`map`) instead of
+copying them. A row never writes a page another holds: a pass writing slots of a shared page first gives
+the row a copy of it (copy on write, `reserve`), so what the others read keeps its bits.
+Example: row 0 holds pages [3, 8] (20 tokens); the prefix cache holds both (refs 2 each); row 0 leaves
+(refs 1: page 3 and 8 stay cached); row 1 maps them for a prompt of the same 20 tokens and more: its
+first write, at slot 20 in page 8, copies page 8 into a free page, which the row writes instead.
 """
 
 from __future__ import annotations
@@ -51,15 +60,21 @@ class KVCache:
         capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK  # whole attention key blocks
         num_pages = batch_size * capacity // PAGE if num_pages is None else num_pages
         shape = (num_pages, config.num_key_value_heads, PAGE, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        # (allocated, not written: a page is zeroed when first handed out, so a pool set aside for the prefix
+        # cache, or for long rows, takes memory only as it is used)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.zeroed = [False] * num_pages  # pages written since allocation (the others may hold any bits)
+        self._zero(0)
         self.capacity = capacity
         self.batch_size = batch_size
         self.lengths = [0] * batch_size  # committed slots per row
         self.pages: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in slot order
-        self.free = list(range(num_pages - 1, -1, -1))  # pages no row holds (taken from the end: low ids first)
+        self.free = list(range(num_pages - 1, -1, -1))  # pages no one holds (taken from the end: low ids first)
+        self.refs = [0] * num_pages  # each page's holders: rows, and the prefix cache
+        self.prefix_pages = 0  # pages set aside for the prefix cache's blocks: rows are admitted to the others
         # each row's pages as the kernels read them ([rows, capacity // PAGE]; past a row's pages: page 0,
-        # never read, as the slots there are never visible)
+        # whose slots are never visible there, but read as masked keys: finite, as every page handed out)
         self.table = torch.zeros(batch_size, capacity // PAGE, dtype=torch.long, device=device)
 
     @staticmethod
@@ -76,6 +91,11 @@ class KVCache:
     @property
     def num_pages(self) -> int:
         return self.keys[0].shape[0]
+
+    @property
+    def row_pages(self) -> int:
+        """Pages the running rows are admitted to (`Scheduler`): the pool less the prefix cache's share."""
+        return self.num_pages - self.prefix_pages
 
     @property
     def nbytes(self) -> int:
@@ -102,22 +122,65 @@ class KVCache:
         self.lengths[row] += n
 
     # ----------------------------------------------------------------------------------- pages
-    def reserve(self, row: int, slots: int) -> None:
-        """Give `row` the pages for its first `slots` slots (those it lacks, from the pool)."""
+    def reserve(self, row: int, slots: int, start: int | None = None) -> None:
+        """Make `row`'s slots [start, slots) writable (`start`: default the row's length): give it the pages it
+        lacks for its first `slots` slots, from the pool, and a copy of each page there that others hold."""
         if slots > self.capacity:
             raise ValueError(f"sequence of {slots} tokens exceeds the KV cache capacity of {self.capacity}")
         pages, need = self.pages[row], self.pages_for(slots)
-        if need - len(pages) > len(self.free):
+        first = (self.lengths[row] if start is None else start) // PAGE
+        shared = [i for i in range(first, min(need, len(pages))) if self.refs[pages[i]] > 1]
+        if need - len(pages) + len(shared) > len(self.free):
             raise KVCacheFull(f"the KV cache has {len(self.free)} free pages of {PAGE} slots; row {row} needs "
-                              f"{need - len(pages)} more")
+                              f"{need - len(pages) + len(shared)} more")
+        for i in shared:
+            self._copy_on_write(row, i)
         while len(pages) < need:
-            self.table[row, len(pages)] = self.free[-1]
-            pages.append(self.free.pop())
+            page = self.free.pop()
+            if not self.zeroed[page]:  # (masked slots are read: they must hold finite values)
+                self._zero(page)
+            self.refs[page] = 1
+            self.table[row, len(pages)] = page
+            pages.append(page)
 
     def reserve_slots(self, slots: torch.Tensor) -> None:
         """Reserve what writing `slots` [B, T] (row b's slots in row b) needs."""
-        for row, last in enumerate(slots.amax(1).tolist()):
-            self.reserve(row, last + 1)
+        for row, (first, last) in enumerate(zip(slots.amin(1).tolist(), slots.amax(1).tolist())):
+            self.reserve(row, last + 1, first)
+
+    def map(self, row: int, pages: list[int]) -> None:
+        """Give the empty `row` these pages (held by others: the prefix cache's) as its first ones, shared."""
+        if self.pages[row]:
+            raise ValueError(f"cannot map pages into row {row}: it holds {len(self.pages[row])} pages")
+        if len(pages) * PAGE > self.capacity:
+            raise ValueError(f"{len(pages)} pages exceed the KV cache capacity of {self.capacity}")
+        for page in pages:
+            self.refs[page] += 1
+        self.table[row, :len(pages)] = torch.tensor(pages, dtype=torch.long)
+        self.pages[row].extend(pages)
+
+    def hold(self, page: int) -> None:
+        """One more holder (the prefix cache) of `page`, which a row holds now."""
+        if self.refs[page] < 1:
+            raise ValueError(f"page {page} is free: only a page a row holds can be held")
+        self.refs[page] += 1
+
+    def release(self, page: int) -> None:
+        """One holder fewer of `page`: free when none is left."""
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+
+    def _copy_on_write(self, row: int, i: int) -> None:
+        """Give `row` a copy of its page i, which others hold too (a free page must be left)."""
+        old, new = self.pages[row][i], self.free.pop()
+        for kv in self.keys + self.values:
+            kv[new].copy_(kv[old])
+        self.refs[new] = 1
+        self.zeroed[new] = True
+        self.release(old)
+        self.pages[row][i] = new
+        self.table[row, i] = new
 
     def page_table(self, rows: int, slots: int) -> torch.Tensor:
         """The pages of rows 0..rows-1 holding their first `slots` slots, [rows, slots / PAGE] (a view)."""
@@ -135,8 +198,14 @@ class KVCache:
         data = layer_cache[pages]  # [B, n, KV, PAGE, D]
         return data.transpose(1, 2).flatten(2, 3)[:, :, :slots]
 
+    def _zero(self, page: int) -> None:
+        for kv in self.keys + self.values:
+            kv[page].zero_()
+        self.zeroed[page] = True
+
     def _give_back(self, row: int) -> None:
-        self.free.extend(reversed(self.pages[row]))
+        for page in reversed(self.pages[row]):
+            self.release(page)
         self.pages[row].clear()
 
     # ----------------------------------------------------------------------------------- rows
@@ -159,8 +228,11 @@ class KVCache:
     def reshape(self, batch_size: int, capacity: int, num_pages: int | None = None) -> None:
         """Reallocate as `batch_size` rows of up to `capacity` slots sharing `num_pages` pages (default: every
         row at full capacity), keeping what the rows that remain hold. Rows dropped and slots cut must hold
-        nothing committed. Example: 8 rows of 4096 -> reshape(1, 32768): row 0 keeps its slots."""
+        nothing committed, and no page may be shared (the prefix cache holds none yet). Example: 8 rows of 4096 ->
+        reshape(1, 32768): row 0 keeps its slots."""
         capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        if any(n > 1 for n in self.refs):
+            raise ValueError("cannot reshape a KV cache whose pages are shared")
         if any(self.lengths[batch_size:]) or max(self.lengths[:batch_size], default=0) > capacity:
             raise ValueError(f"cannot reshape a KV cache holding rows of lengths {self.lengths} to "
                              f"{batch_size} rows of {capacity} slots")
@@ -172,11 +244,14 @@ class KVCache:
         old = list(zip(self.keys, self.values))
         for tensors in (self.keys, self.values):
             for i, t in enumerate(tensors):
-                tensors[i] = t.new_zeros((num_pages, *t.shape[1:]))
+                tensors[i] = t.new_empty((num_pages, *t.shape[1:]))
         self.capacity, self.batch_size = capacity, batch_size
         self.lengths = self.lengths[:rows] + [0] * (batch_size - rows)
         self.pages = [[] for _ in range(batch_size)]
         self.free = list(range(num_pages - 1, -1, -1))
+        self.refs = [0] * num_pages
+        self.zeroed = [False] * num_pages
+        self._zero(0)
         self.table = torch.zeros(batch_size, capacity // PAGE, dtype=torch.long, device=self.table.device)
         for row, pages in enumerate(kept):
             self.reserve(row, len(pages) * PAGE)
@@ -191,7 +266,9 @@ class KVCache:
         """A one-row cache sharing this cache's pool, and `row`'s pages (what it reserves is the row's; its
         length is its own: the caller copies the length back)."""
         view = KVCache.__new__(KVCache)
-        view.keys, view.values, view.free = self.keys, self.values, self.free
+        view.keys, view.values, view.free, view.refs = self.keys, self.values, self.free, self.refs
+        view.zeroed = self.zeroed
+        view.prefix_pages = self.prefix_pages
         view.capacity, view.batch_size, view.lengths = self.capacity, 1, [self.lengths[row]]
         view.pages, view.table = [self.pages[row]], self.table[row:row + 1]
         return view
