@@ -120,17 +120,18 @@ def test_a_long_sequence_among_short_ones_keeps_every_output_exact(kind, k, pref
     assert finals["again"].metrics.cached_tokens == (len(LONG) - 1) * (prefix_blocks > 0)  # blocks and a tail
 
 
-@pytest.mark.parametrize("prefix_blocks", [0, 64], ids=["no prefix cache", "prefix cache"])
+@pytest.mark.parametrize("prefix_blocks", [0, 12], ids=["no prefix cache", "prefix cache"])
 def test_requests_sharing_a_long_prompt_hold_it_once(prefix_blocks):
     """A pool of 256 slots (16 pages + a page a row), 4 rows, and 4 requests of one 150-token prompt with 20
-    tokens each to write: each may come to hold 11 pages, so two do not fit together (22 > 20) and without a
-    prefix cache they run one at a time. With it, each maps the 9 whole pages the first one's prompt wrote,
-    which count as the prefix cache's: all four run together (2 + 2 + 2 + 11 pages), with the outputs of one
-    alone."""
+    tokens each to write: each may come to hold 11 pages, so without a prefix cache two do not fit together
+    (22 > 20) and they run one at a time. With a prefix cache of 12 blocks (12 more pages, which rows may take
+    by evicting blocks no row holds: 32 in all, where 4 x 11 would not fit), each maps the 9 whole pages the
+    first one's prompt wrote, which count once: all four run together (2 + 2 + 2 + 11, and the 9 shared), with
+    the outputs of one alone."""
     prompt = tuple((11 * i + 3) % 90 for i in range(150))
     engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN,
                     prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=64)
-    assert engine.cache.row_pages == 20
+    assert engine.cache.row_pages == 20 + prefix_blocks
     widest = []
 
     def on_step(_outputs):
@@ -142,6 +143,26 @@ def test_requests_sharing_a_long_prompt_hold_it_once(prefix_blocks):
     assert max(widest) == (4 if prefix_blocks else 1)
     assert all(tuple(out.token_ids) == unbatched(prompt, 20) for out in finals.values())
     assert [finals[str(i)].metrics.cached_tokens for i in range(4)] == [0] + [149 * (prefix_blocks > 0)] * 3
+
+
+def test_rows_take_the_prefix_cache_pages_no_row_holds():
+    """A pool of 20 pages for rows and 12 for the prefix cache: requests of distinct 150-token prompts (11 pages
+    each) run 2 at a time (22 <= 32: the second takes pages of the blocks the first ones left, evicting them,
+    least recently used first), with the outputs of one alone, and every page is accounted for."""
+    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN,
+                    prefix_cache_blocks=12, prefix_block_size=PAGE, prefill_chunk=64)
+    prompts = [tuple((7 * i + 5 * j + 1) % 90 for i in range(150)) for j in range(4)]
+    widest = []
+
+    def on_step(_outputs):
+        widest.append(len(engine.running))
+        assert_pages_accounted(engine)
+
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    finals = run(engine, [(str(j), prompt, p) for j, prompt in enumerate(prompts)], on_step=on_step)
+    assert max(widest) == 2
+    assert all(tuple(finals[str(j)].token_ids) == unbatched(prompt, 20) for j, prompt in enumerate(prompts))
+    assert len(engine.prefix_cache.blocks) <= 12
 
 
 def test_a_request_longer_than_the_context_is_refused():

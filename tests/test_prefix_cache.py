@@ -19,7 +19,7 @@ from specdec.engine import Engine, prefix_cache
 from specdec.engine.memory import GiB, plan_memory
 from specdec.engine.prefix_cache import PrefixCache, block_keys
 from specdec.heads.modules import HEAD_CLASSES, HeadsConfig
-from specdec.models.kv_cache import KVCache
+from specdec.models.kv_cache import KVCache, KVCacheFull
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.draft_model import DraftModelProposer
 from specdec.speculative.proposers import NgramProposer
@@ -298,13 +298,15 @@ def test_a_sequence_that_fails_leaves_the_cache_exact(fault, monkeypatch):
 @pytest.mark.parametrize("kind", ["plain", "draft model", "eagle"])
 def test_mapped_caches_hold_the_prefix_cache_blocks_in_their_own_pools(kind):
     """Blocks of a page: the target's cache and a draft model's have their pools grown by the blocks (rows are
-    admitted to the rest) and no pool of their own in the prefix cache; EAGLE's pairs (shift 1) keep theirs."""
+    admitted to all of it, evicting blocks no row holds) and no pool of their own in the prefix cache; EAGLE's
+    pairs (shift 1) keep theirs."""
     base, engine = make_engine(kind, block=16), make_engine(kind, blocks=64, block=16)
     caches = {"target": (base.cache, engine.cache)}
     caches |= {name: (base.proposer.kv_caches[name], own) for name, own in engine.proposer.kv_caches.items()}
     for name, (without, cache) in caches.items():
         mapped = name == "target" or kind == "draft model"
-        assert cache.num_pages == without.num_pages + 64 * mapped and cache.row_pages == without.num_pages, name
+        assert cache.num_pages == without.num_pages + 64 * mapped and cache.row_pages == cache.num_pages, name
+        assert (cache.reclaim is not None) == mapped, name
         assert (name in engine.prefix_cache.pools) != mapped and (name in engine.prefix_cache.mapped) == mapped
     assert make_engine(kind, blocks=64).prefix_cache.mapped == {}  # blocks of 8: copied
 
@@ -418,6 +420,35 @@ def test_a_block_whose_page_a_row_holds_is_not_evicted():
     assert pc.shared("x", cache.pages[0]) == 2 and pc.held_pages["x"] == set(cache.pages[0])
 
 
+def test_a_row_short_of_pages_evicts_the_blocks_no_row_holds():
+    """8 pages, 4 set aside for 4 blocks. Row 1 writes 32 slots (2 pages), kept as 2 blocks, and leaves; row 0
+    keeps 2 blocks of its own 32 and runs on. Row 0 then takes the 4 free pages, and for each page more evicts
+    a block no row holds (row 1's, the deeper first); its own blocks stay: asking for a page more than free and
+    evictable ones is refused. Saving row 0's next blocks takes the evicted blocks back, and no more."""
+    cache = KVCache(target("fp32").config, 2, 192, torch.float32, num_pages=8)
+    cache.prefix_pages = 4
+    pc = PrefixCache({"x": cache}, num_blocks=4, block_size=16, mapped=("x",))
+    old, own = pc.keys(list(range(32))), pc.keys(list(range(100, 132)))
+    for row, keys in ((1, old), (0, own)):
+        cache.reserve(row, 32)
+        cache.advance(row, 32)
+        pc.save("x", keys, cache, row)
+    cache.clear(1)
+    assert len(cache.free) == 4 and cache.row_pages == 8 and pc.pinned("x") == 2
+    cache.reserve(0, 96)
+    assert len(cache.pages[0]) == 6 and len(cache.free) == 0 and len(pc.lookup(old)) == 2
+    cache.reserve(0, 112)
+    assert len(pc.lookup(old)) == 1 and len(cache.pages[0]) == 7
+    cache.reserve(0, 128)
+    assert pc.lookup(old) == [] and len(cache.pages[0]) == 8
+    with pytest.raises(KVCacheFull):
+        cache.reserve(0, 144)
+    assert len(pc.lookup(own)) == 2 and len(cache.pages[0]) == 8
+    cache.advance(0, 96)
+    pc.save("x", pc.keys(list(range(100, 228))), cache, 0)  # 8 blocks asked: the 2 spare ones taken, then cut
+    assert len(pc.blocks) == 4 and pc.pinned("x") == 4 and len(pc.lookup(pc.keys(list(range(100, 228))))) == 4
+
+
 def test_a_mapped_cache_is_refused_what_it_cannot_hold():
     cache = KVCache(target("fp32").config, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="set 3 pages aside"):
@@ -507,3 +538,11 @@ def test_the_memory_plan_gives_the_prefix_cache_what_the_sequences_leave():
     off = plan_memory(10 * GiB, 2 * GiB, GiB, 28 * 1024, 12 * 1024, 4096, max_num_seqs=8)
     assert off.prefix_cache_blocks == 0 and off.max_num_seqs == 8
     assert "prefix cache       0.000 GiB  (off)" in off.report()
+    # a draft model's K/V and the target's keep blocks as pages: rows may take them (an EAGLE head's may not)
+    more = f"and up to {8 * 4096 + 16 * plan.prefix_cache_blocks} tokens by taking the prefix cache's pages"
+    assert more in plan.report() and "by taking" not in off.report()
+    eagle = plan_memory(10 * GiB, 2 * GiB, GiB, 28 * 1024, 12 * 1024, 4096, max_num_seqs=8, prefix_caching=True,
+                        draft_label="heads")
+    medusa = plan_memory(10 * GiB, 2 * GiB, GiB, 28 * 1024, 0, 4096, max_num_seqs=8, prefix_caching=True,
+                         draft_label="heads")
+    assert "by taking" not in eagle.report() and "by taking" in medusa.report()

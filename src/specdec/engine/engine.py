@@ -122,7 +122,7 @@ class Engine:
         caches = {"target": self.cache, **self.proposer.kv_caches}
         self.scheduler = Scheduler(max_batch_size, list(caches.values()),
                                    need=lambda seq: len(seq.prompt_ids) + seq.params.max_tokens + widest,
-                                   shared=self._shared_pages)
+                                   shared=self._shared_pages, pinned=self._pinned_pages)
         self._caches = caches
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.metrics = SpecMetrics()  # cumulative
@@ -139,6 +139,12 @@ class Engine:
             return 0
         name = next(name for name, c in self._caches.items() if c is cache)
         return self.prefix_cache.shared(name, cache.pages[seq.row][:cache.lengths[seq.row] // PAGE])
+
+    def _pinned_pages(self, cache: KVCache) -> int:
+        """The prefix cache's pages of `cache` that rows hold (`Scheduler`)."""
+        if self.prefix_cache is None or not self.prefix_cache.mapped:
+            return 0
+        return self.prefix_cache.pinned(next(name for name, c in self._caches.items() if c is cache))
 
     def _new_cache(self, max_batch_size: int, row_tokens: int | None, widest: int, prefix_pages: int = 0,
                    mapped: tuple[str, ...] = ()) -> KVCache:

@@ -112,7 +112,16 @@ class MemoryPlan:
             f"fits {self.kv_tokens} tokens: {self.max_num_seqs} sequences of up to {self.row_len} tokens, or fewer "
             f"longer ones ({self.kv_tokens // self.max_model_len} of up to {self.max_model_len}), in pages of "
             f"{PAGE} tokens: a long one runs beside short ones while their lengths fit",
+            *([f"  and up to {self.kv_tokens + self.prefix_cache_blocks * self.prefix_block_size} tokens by taking "
+               f"the prefix cache's pages (evicting cached prefixes that no running sequence reads)"]
+              if self.prefix_cache_blocks and self.prefix_block_size == PAGE and self._draft_pages_mapped else []),
         ])
+
+    @property
+    def _draft_pages_mapped(self) -> bool:
+        """Whether the draft's K/V, if any, keep prefix-cache blocks as their pages (a draft model's; EAGLE's
+        pairs are copied, and its pool bounds the running sequences at `kv_tokens`)."""
+        return self.draft_kv_per_token == 0 or self.draft_label == "draft"
 
 
 def default_budget(device: torch.device, total: int) -> tuple[int, int | None]:

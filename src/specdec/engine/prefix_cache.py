@@ -28,7 +28,8 @@ guess).
 
 When the pool is full, saving evicts the least recently used block, but never one whose pages a row holds too
 (mapped into a running sequence, or still its own: evicting it would free no memory, as vLLM keeps a block
-in use out of its free queue). Lookups and saves touch a chain from its last block to its first, so a chain
+in use out of its free queue). Rows may take a mapped cache's whole pool: a pass that finds no free page
+evicts blocks no row holds, least recently used first (`reclaim`), as vLLM's cached blocks are free ones. Lookups and saves touch a chain from its last block to its first, so a chain
 loses its deepest blocks first and never a block its kept ones extend.
 
 Slot s of a row holds what tokens[0 : s + 1 + shift] determine: shift 0 for a model's K/V (token s's), 1
@@ -115,6 +116,9 @@ class PrefixCache:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.mapped = {name: caches[name] for name in mapped}
         self.held_pages: dict[str, set[int]] = {name: set() for name in mapped}  # the pages its blocks hold
+        self._spare: list[Block] = []  # blocks evicted to give their pages to rows, to be handed out again
+        for name, cache in self.mapped.items():
+            cache.reclaim = lambda n, name=name: self.reclaim(name, n)
         for cache in self.mapped.values():
             if cache.prefix_pages < num_blocks:
                 raise ValueError(f"a mapped cache must set {num_blocks} pages aside, it sets {cache.prefix_pages}")
@@ -271,6 +275,7 @@ class PrefixCache:
         for block in self.blocks.values():
             self._drop_pages(block)
         self.blocks.clear()
+        self._spare.clear()
         self._used = 0
 
     def _check_mapped(self, name: str, cache: KVCache, shift: int) -> None:
@@ -278,6 +283,26 @@ class PrefixCache:
             raise ValueError(f"cache {name!r} is mapped: its blocks are pages of the cache it was created with")
         if shift:
             raise ValueError(f"cache {name!r} is mapped: its slots hold their own tokens' K/V (shift 0), not {shift}")
+
+    def reclaim(self, name: str, n: int) -> int:
+        """Evict the least recently used blocks that no row holds until `n` pages of cache `name` are free again
+        (or none is left to evict): a row's pass needs them. Returns how many pages were freed."""
+        freed = 0
+        for key, block in list(self.blocks.items()):
+            if freed >= n:
+                break
+            if name in block.pages and not self._in_use(block):
+                del self.blocks[key]
+                block.caches.clear()
+                self._drop_pages(block)
+                self._spare.append(block)
+                freed += 1
+        return freed
+
+    def pinned(self, name: str) -> int:
+        """Pages of cache `name` that the blocks hold and a row holds too (no eviction can free them)."""
+        cache = self.mapped.get(name)
+        return 0 if cache is None else sum(cache.refs[page] > 1 for page in self.held_pages[name])
 
     def shared(self, name: str, pages: list[int]) -> int:
         """How many of `pages` (a row's, of cache `name`) are pages the blocks hold: memory counted as the
@@ -296,7 +321,9 @@ class PrefixCache:
         block.pages.clear()
 
     def _allocate(self, key: bytes, keep: set[int], size: int) -> Block | None:
-        if self._used < self.num_blocks:
+        if self._spare:
+            block = self._spare.pop()
+        elif self._used < self.num_blocks:
             block = Block(self._used)
             self._used += 1
         else:

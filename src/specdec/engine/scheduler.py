@@ -36,16 +36,18 @@ class Scheduled(Protocol):
 class Scheduler:
     def __init__(self, max_batch_size: int, caches: list[KVCache],
                  need: Callable[[Scheduled], int] = lambda seq: 0,
-                 shared: Callable[[KVCache, Scheduled], int] = lambda cache, seq: 0) -> None:
+                 shared: Callable[[KVCache, Scheduled], int] = lambda cache, seq: 0,
+                 pinned: Callable[[KVCache], int] = lambda cache: 0) -> None:
         """`need(seq)`: the slots `seq` may take in a row of the first cache (the target's); the others add
         what their rows hold beyond the target's (`capacity` - the first's: a proposer's own drafts).
         `shared(cache, seq)`: pages of the running `seq`'s row of `cache` that the prefix cache holds, and that
-        it will never write again (counted as the prefix cache's)."""
+        it will never write again (counted as the prefix cache's); `pinned(cache)`: the prefix cache's pages of
+        `cache` that rows hold (where rows may evict the rest of its blocks: `KVCache.row_pages`)."""
         self.max_batch_size = max_batch_size
         self.caches = caches  # every cache with a row per sequence: rows move and are freed in all of them
         self.margins = [c.capacity - caches[0].capacity for c in caches]
         self.need = need
-        self.shared = shared
+        self.shared, self.pinned = shared, pinned
         self.waiting: deque = deque()
         self.running: list = []
         self.prefilling = None  # joining: its prompt part-way into the caches, in row len(running)
@@ -99,10 +101,11 @@ class Scheduler:
 
     def _fit(self, seq: Scheduled) -> bool:
         """Whether the pages the running batch and `seq` may come to hold, less those the prefix cache holds
-        for them, fit every cache's pool (the rows' part of it)."""
+        for them, fit every cache's pool (the rows' part of it), beside the prefix cache's pages that rows
+        hold (which no eviction frees)."""
         needs = [self.need(s) for s in [*self.running, seq]]
         return all(sum(cache.pages_for(n + margin) for n in needs) - sum(self.shared(cache, s) for s in self.running)
-                   <= cache.row_pages for cache, margin in zip(self.caches, self.margins))
+                   + self.pinned(cache) <= cache.row_pages for cache, margin in zip(self.caches, self.margins))
 
     def _move(self, seq: Scheduled, row: int) -> None:
         """Move `seq` into the free `row` in every cache, and free the row it leaves."""

@@ -33,6 +33,8 @@ first write, at slot 20 in page 8, copies page 8 into a free page, which the row
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specdec.config import ModelConfig
@@ -72,7 +74,10 @@ class KVCache:
         self.pages: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in slot order
         self.free = list(range(num_pages - 1, -1, -1))  # pages no one holds (taken from the end: low ids first)
         self.refs = [0] * num_pages  # each page's holders: rows, and the prefix cache
-        self.prefix_pages = 0  # pages set aside for the prefix cache's blocks: rows are admitted to the others
+        self.prefix_pages = 0  # pages set aside for the prefix cache's blocks
+        # the prefix cache's, for a cache whose blocks are its pages: free n pages by evicting cached blocks that
+        # no row holds (rows may then take the whole pool, as vLLM's cached blocks are free ones)
+        self.reclaim: Callable[[int], None] | None = None
         # each row's pages as the kernels read them ([rows, capacity // PAGE]; past a row's pages: page 0,
         # whose slots are never visible there, but read as masked keys: finite, as every page handed out)
         self.table = torch.zeros(batch_size, capacity // PAGE, dtype=torch.long, device=device)
@@ -94,8 +99,9 @@ class KVCache:
 
     @property
     def row_pages(self) -> int:
-        """Pages the running rows are admitted to (`Scheduler`): the pool less the prefix cache's share."""
-        return self.num_pages - self.prefix_pages
+        """Pages the running rows are admitted to (`Scheduler`): the whole pool where rows may evict the prefix
+        cache's blocks (`reclaim`), else the pool less the prefix cache's share."""
+        return self.num_pages if self.reclaim is not None else self.num_pages - self.prefix_pages
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +136,8 @@ class KVCache:
         pages, need = self.pages[row], self.pages_for(slots)
         first = (self.lengths[row] if start is None else start) // PAGE
         shared = [i for i in range(first, min(need, len(pages))) if self.refs[pages[i]] > 1]
+        if need - len(pages) + len(shared) > len(self.free) and self.reclaim is not None:
+            self.reclaim(need - len(pages) + len(shared) - len(self.free))
         if need - len(pages) + len(shared) > len(self.free):
             raise KVCacheFull(f"the KV cache has {len(self.free)} free pages of {PAGE} slots; row {row} needs "
                               f"{need - len(pages) + len(shared)} more")
@@ -267,7 +275,7 @@ class KVCache:
         length is its own: the caller copies the length back)."""
         view = KVCache.__new__(KVCache)
         view.keys, view.values, view.free, view.refs = self.keys, self.values, self.free, self.refs
-        view.zeroed = self.zeroed
+        view.zeroed, view.reclaim = self.zeroed, self.reclaim
         view.prefix_pages = self.prefix_pages
         view.capacity, view.batch_size, view.lengths = self.capacity, 1, [self.lengths[row]]
         view.pages, view.table = [self.pages[row]], self.table[row:row + 1]
