@@ -165,6 +165,26 @@ def test_rows_take_the_prefix_cache_pages_no_row_holds():
     assert len(engine.prefix_cache.blocks) <= 12
 
 
+@pytest.mark.parametrize("kind,k", [("plain", 0), ("noisy copy", 4)])
+def test_pages_hold_finite_values_whatever_memory_the_pool_was_given(kind, k, monkeypatch):
+    """Pools are allocated unwritten, a page zeroed when first handed out: with every new pool filled with NaN
+    (memory that held anything), the requests of rows of different lengths, whose passes read masked slots of
+    pages and page 0, give the unbatched outputs."""
+    empty = torch.empty
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+        patched.setattr(torch.Tensor, "new_empty", lambda t, *a, **kw: torch.Tensor.new_zeros(t, *a, **kw).fill_(float("nan")))
+        proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=4)
+        engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN, max_batch_size=4,
+                        row_tokens=MAX_LEN, prefix_cache_blocks=16, prefix_block_size=PAGE, prefill_chunk=48)
+    assert all(torch.isnan(kv[1:]).all() for kv in engine.cache.keys + engine.cache.values)
+    requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for rid, prompt, n, _ in REQUESTS]
+    finals = run(engine, requests, join_at=[at for *_, at in REQUESTS])
+    for rid, prompt, n, _ in REQUESTS:
+        assert tuple(finals[rid].token_ids) == unbatched(prompt, n), f"request {rid}"
+
+
 def test_a_request_longer_than_the_context_is_refused():
     engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN)
     with pytest.raises(ValueError, match="maximum context length is 256"):

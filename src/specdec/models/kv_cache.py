@@ -143,13 +143,16 @@ class KVCache:
                               f"{need - len(pages) + len(shared)} more")
         for i in shared:
             self._copy_on_write(row, i)
+        fresh = []
         while len(pages) < need:
             page = self.free.pop()
             if not self.zeroed[page]:  # (masked slots are read: they must hold finite values)
-                self._zero(page)
+                fresh.append(page)
             self.refs[page] = 1
             self.table[row, len(pages)] = page
             pages.append(page)
+        if fresh:
+            self._zero(*fresh)
 
     def reserve_slots(self, slots: torch.Tensor) -> None:
         """Reserve what writing `slots` [B, T] (row b's slots in row b) needs."""
@@ -206,10 +209,15 @@ class KVCache:
         data = layer_cache[pages]  # [B, n, KV, PAGE, D]
         return data.transpose(1, 2).flatten(2, 3)[:, :, :slots]
 
-    def _zero(self, page: int) -> None:
+    def _zero(self, *pages: int) -> None:
+        index = torch.tensor(pages, device=self.keys[0].device) if len(pages) > 1 else None
         for kv in self.keys + self.values:
-            kv[page].zero_()
-        self.zeroed[page] = True
+            if index is None:
+                kv[pages[0]].zero_()
+            else:
+                kv.index_fill_(0, index, 0)
+        for page in pages:
+            self.zeroed[page] = True
 
     def _give_back(self, row: int) -> None:
         for page in reversed(self.pages[row]):
