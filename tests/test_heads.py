@@ -296,3 +296,30 @@ def test_an_eagle_head_writes_a_prompts_kv_alone_and_attends_what_its_mask_names
         assert torch.allclose(last[0, 0].float(), full[0, 9].float(), atol=2e-2)
     # the token rows kept for the head are the target's lookup, bit for bit
     assert torch.equal(head.embed(ids), target.embed(ids).to(head.embed(ids).dtype))
+
+
+def test_self_distillation_resumes_from_the_answers_it_kept(tmp_path, monkeypatch):
+    """The target's answers are kept as they finish: a run interrupted after 2 of 5, one of them kept for
+    another prompt (not taken), and a line cut short, asks the other 4 again and gives the same windows as a
+    run that was not interrupted; answers kept for another length are not taken either."""
+    from specdec.engine import Engine
+    from specdec.training.features import self_distilled
+
+    target = tiny_model("qwen2", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 90, (12,), generator=gen).tolist() for _ in range(5)]
+    path = tmp_path / "self_distill.jsonl"
+    whole = self_distilled(target, ByteTokenizer(), prompts, 6, 32, batch_size=2, done_path=path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 5 and sorted(json.loads(line)["i"] for line in lines) == list(range(5))
+    kept = [json.loads(line) for line in lines[:2]]
+    other = dict(kept[0], prompt=[1, 2, 3])  # another prompt under the same index: not taken
+    path.write_text("\n".join(json.dumps(row) for row in [kept[1], other]) + "\n" + lines[2][:10])
+    asked = []
+    add = Engine.add_request
+    monkeypatch.setattr(Engine, "add_request", lambda self, rid, *a, **kw: (asked.append(rid), add(self, rid, *a, **kw))[1])
+    assert self_distilled(target, ByteTokenizer(), prompts, 6, 32, batch_size=2, done_path=path) == whole
+    assert sorted(asked) == sorted(str(i) for i in range(5) if i != kept[1]["i"])
+    asked.clear()
+    assert self_distilled(target, ByteTokenizer(), prompts, 7, 32, batch_size=2, done_path=path) != whole
+    assert len(asked) == 5  # kept for 6 tokens, asked for 7: all asked again

@@ -79,22 +79,44 @@ def stdlib_windows(tokenizer, total_tokens: int, seq_len: int, seed: int) -> lis
 
 
 def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int, seq_len: int,
-                   batch_size: int = 4) -> list[list[int]]:
+                   batch_size: int = 4, done_path: Path | None = None) -> list[list[int]]:
     """The target's own greedy answers, appended to their prompts (cut to the last seq_len tokens); `batch_size`
-    requests at a time (a pass of a few rows costs about one row's on the block kernels)."""
+    requests at a time (a pass of a few rows costs about one row's on the block kernels). With `done_path`,
+    each answer is appended there (a JSON line: its index, prompt and answer) as it finishes, and those found
+    there for the same prompt and length are not asked again: an interrupted run resumes."""
     from specdec.engine import Engine
 
+    tails = [ids[-max(16, seq_len - max_tokens):] for ids in prompts]  # a prompt's tail
+    done: dict[str, list[int]] = {}
+    if done_path is not None and done_path.exists():
+        for line in done_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                i = int(row["i"])
+            except (ValueError, KeyError, TypeError):
+                continue  # (a line cut short by the interruption)
+            if 0 <= i < len(tails) and row.get("prompt") == tails[i] and row.get("max_tokens") == max_tokens:
+                done[str(i)] = tails[i] + row["answer"]
     engine = Engine(target, tokenizer, max_model_len=4096, max_batch_size=batch_size)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids[-max(16, seq_len - max_tokens):], params)  # a prompt's tail
-    done: dict[str, list[int]] = {}
-    with tqdm(total=len(prompts) * max_tokens, desc="self-distill", unit="tok") as bar:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                bar.update(len(out.new_token_ids))
-                if out.finished:
-                    done[out.request_id] = out.prompt_token_ids + out.token_ids
+    for i, ids in enumerate(tails):
+        if str(i) not in done:
+            engine.add_request(str(i), ids, params)
+    log = open(done_path, "a") if done_path is not None else None
+    try:
+        with tqdm(total=(len(prompts) - len(done)) * max_tokens, desc="self-distill", unit="tok") as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    bar.update(len(out.new_token_ids))
+                    if out.finished:
+                        done[out.request_id] = out.prompt_token_ids + out.token_ids
+                        if log is not None:
+                            log.write(json.dumps({"i": int(out.request_id), "prompt": out.prompt_token_ids,
+                                                  "max_tokens": max_tokens, "answer": out.token_ids}) + "\n")
+                            log.flush()
+    finally:
+        if log is not None:
+            log.close()
     return [done[str(i)][-seq_len:] for i in range(len(prompts))]
 
 

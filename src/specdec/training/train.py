@@ -97,7 +97,8 @@ def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
 def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list[int]]]:
     """The windows to train on by source, {"self_distill": [...], "stdlib": [...]}: the target's answers to
     the data's training split (or to cfg.prompts), and standard-library sources. Kept in
-    features/windows.json, so that a rerun reads the same ones."""
+    features/windows.json, so that a rerun reads the same ones (and the target's answers, as they finish, in
+    features/self_distill.jsonl, so that an interrupted run does not ask them again)."""
     manifest = cfg.features_dir / "windows.json"
     if manifest.exists():
         return json.loads(manifest.read_text())
@@ -107,12 +108,12 @@ def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list
         prompts = prompt_split(cfg.data_dir, tokenizer, "train")[: cfg.self_distill_prompts]
     else:
         prompts = []
+    manifest.parent.mkdir(parents=True, exist_ok=True)
     distilled = self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len,
-                               cfg.distill_batch_size) if prompts else []
+                               cfg.distill_batch_size, cfg.features_dir / "self_distill.jsonl") if prompts else []
     windows = {"self_distill": distilled, "stdlib": stdlib_windows(tokenizer, cfg.corpus_tokens, cfg.seq_len, cfg.seed)}
     if cfg.solutions:
         windows["humaneval_solutions"] = solution_windows(cfg.data_dir, tokenizer, cfg.solutions, cfg.seq_len)
-    manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps(windows))
     return windows
 
