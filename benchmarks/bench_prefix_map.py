@@ -12,7 +12,8 @@ the row wrote, `PrefixCache(mapped=...)`), the median over repeats of:
   - restore: one hit, the blocks and tail into an empty row;
   - first write: the restored row's next pass reserving its next slot (mapped: a copy of the shared tail page);
 and the K/V memory the cached prefix and `rows` rows restored from it hold after their first writes (the
-pool's pages in use, and the copied blocks in use: both ways set the same memory aside for the cache). Prints a table, then one JSON line.
+pool's pages in use, and the copied blocks in use: both ways set the same memory aside for the cache).
+Prints a table, then one JSON line.
 """
 
 from __future__ import annotations

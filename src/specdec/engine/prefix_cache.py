@@ -29,8 +29,9 @@ guess).
 When the pool is full, saving evicts the least recently used block, but never one whose pages a row holds too
 (mapped into a running sequence, or still its own: evicting it would free no memory, as vLLM keeps a block
 in use out of its free queue). Rows may take a mapped cache's whole pool: a pass that finds no free page
-evicts blocks no row holds, least recently used first (`reclaim`), as vLLM's cached blocks are free ones. Lookups and saves touch a chain from its last block to its first, so a chain
-loses its deepest blocks first and never a block its kept ones extend.
+evicts blocks no row holds, least recently used first (`reclaim`), as vLLM's cached blocks are free ones.
+Lookups and saves touch a chain from its last block to its first, so a chain loses its deepest blocks first
+and never a block its kept ones extend.
 
 Slot s of a row holds what tokens[0 : s + 1 + shift] determine: shift 0 for a model's K/V (token s's), 1
 for EAGLE's (its slot s pairs the feature of token s with token s + 1). Block i then holds slots
@@ -118,10 +119,9 @@ class PrefixCache:
         self.held_pages: dict[str, set[int]] = {name: set() for name in mapped}  # the pages its blocks hold
         self._spare: list[Block] = []  # blocks evicted to give their pages to rows, to be handed out again
         for name, cache in self.mapped.items():
-            cache.reclaim = lambda n, name=name: self.reclaim(name, n)
-        for cache in self.mapped.values():
             if cache.prefix_pages < num_blocks:
                 raise ValueError(f"a mapped cache must set {num_blocks} pages aside, it sets {cache.prefix_pages}")
+            cache.reclaim = lambda n, name=name: self.reclaim(name, n)
         self.pools = {}  # name -> [num_blocks, 2 * layers (keys, then values), kv_heads, block_size, head_dim]
         for name, cache in caches.items():
             if name in self.mapped:
@@ -178,8 +178,8 @@ class PrefixCache:
 
     def save(self, name: str, keys: list[bytes], cache: KVCache, row: int, shift: int = 0, tail: int = 0) -> None:
         """Copy `row` of `cache` into the blocks `keys` (a chain from block 0) that do not hold `name` yet (a
-        mapped cache: hold the row's pages as those blocks), adding missing blocks (evicting the least recently used ones, never one of this chain's: the chain is
-        cut there instead). With `tail` > 0 the last key is a tail's, of that many tokens (`keys(..., tail=True)`)."""
+        mapped cache: hold the row's pages as those blocks), adding missing blocks (evicting the least recently
+        used ones, never one of this chain's: the chain is cut there instead). With `tail` > 0 the last key is a tail's, of that many tokens (`keys(..., tail=True)`)."""
         B = self.block_size
         chain: list[Block] = []
         in_chain: set[int] = set()
