@@ -114,14 +114,14 @@ class Engine:
         self.controller = controller
         self._now = controller.clock
         # + the widest draft: a row near the end of the context is padded to the batch's widest (never committed)
-        widest = self.proposer.max_width(num_speculative_tokens)
+        self.widest = widest = self.proposer.max_width(num_speculative_tokens)
         # caches whose prefix-cache blocks are pages of their own pools (see `PrefixCache`)
         mapped = () if prefix_cache_blocks <= 0 or prefix_block_size != PAGE else \
             ("target", *(name for name in self.proposer.kv_caches if self.proposer.kv_shift == 0))
         self.cache = self._new_cache(max_batch_size, row_tokens, widest, prefix_cache_blocks, mapped)
         caches = {"target": self.cache, **self.proposer.kv_caches}
         self.scheduler = Scheduler(max_batch_size, list(caches.values()),
-                                   need=lambda seq: len(seq.prompt_ids) + seq.params.max_tokens + widest,
+                                   need=lambda seq: len(seq.tokens) + widest,
                                    shared=self._shared_pages, pinned=self._pinned_pages)
         self._caches = caches
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
@@ -203,11 +203,15 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()
+        while (seq := self.scheduler.victim()) is not None:  # the batch outgrew the pools: the newest steps out
+            self._preempt(seq)
         riding = self._prefill()
         if self.running:
             outputs += self._decode(self.running, riding)
         if riding is not None:
             self._rode(riding)
+            for seq in self.running:  # the pads' pages: the rows were as wide as the prompt chunk
+                self.cache.trim(seq.row, len(seq.tokens) + self.widest)
         outputs += [seq.report([]) for seq in self._failed]
         self._failed.clear()
         for seq in [s for s in self.running if s.finish_reason is not None]:
@@ -313,7 +317,8 @@ class Engine:
                 continue
             if decoding and self.chunk_budget is not None:  # (room: the running rows are padded as wide)
                 room = self.cache.capacity - max(self.cache.lengths[s.row] for s in self.running)
-                rows = prefill.rides(seq, min(budget, room, self.chunk_budget.tokens(len(self.running))))
+                most = min(budget, room, self.chunk_budget.tokens(len(self.running)))
+                rows = prefill.rides(seq, self.scheduler.widest_ride(most, self.widest + 1))
                 if rows is not None:
                     return Riding(seq, rows, batch)
             fed = self._isolated(seq, prefill.feed, self.target, seq, budget, batch)
@@ -321,7 +326,7 @@ class Engine:
                 self._release(seq)
                 continue
             budget -= fed
-            if self.cache.lengths[seq.row] < len(seq.prompt_ids) - 1:
+            if self.cache.lengths[seq.row] < len(seq.tokens) - 1:
                 return  # the budget is spent
             self.scheduler.join(seq)
             if prefill.caches_prefix(seq):  # sequences joining later may share its prompt already
@@ -337,7 +342,7 @@ class Engine:
         if self._isolated(seq, self.prefill.read, seq, stop, riding.hidden, riding.batch, riding.seconds) is None:
             self._release(seq)
             return
-        if stop == len(seq.prompt_ids) - 1:
+        if stop == len(seq.tokens) - 1:
             self.scheduler.join(seq)
             if self.prefill.caches_prefix(seq):
                 self.prefill.save(seq)
@@ -353,12 +358,28 @@ class Engine:
         seq.metrics.total_time = self._now() - seq.start_time
         self.metrics.merge(seq.metrics)
 
+    def _preempt(self, seq: Sequence) -> None:
+        """Take the joining or running `seq` out of the batch to the head of the queue (`Scheduler.preempt`): its
+        blocks saved to the prefix cache first (it may find them again when it rejoins), what the proposer holds
+        of it dropped; it joins again with its tokens so far as its prompt, its text, grammar, sampler and
+        metrics as they were."""
+        logger.info("request %s preempted at %d tokens: the running requests outgrew the K/V pool; it waits "
+                    "at the head of the queue and recomputes them when it rejoins", seq.request_id, len(seq.tokens))
+        if self.prefill.caches_prefix(seq):
+            self.prefill.save(seq)
+        self.scheduler.preempt(seq)
+        self.proposer.preempt(seq)
+        seq.metrics.preemptions += 1
+        if seq.wants_prompt_logprobs:  # (part-way through its prompt: they are computed again from its start)
+            seq.prompt_logprobs = [None]
+
     def _drop_aborted(self) -> list[RequestOutput]:
         if not self._aborted:
             return []
         outputs = []
         for seq in [s for s in self.waiting if s.request_id in self._aborted]:
             self.scheduler.remove(seq)
+            self.proposer.release(seq)  # (one preempted holds what the proposer keeps outside the rows: a trie)
             seq.output.abort()
             outputs.append(seq.report([]))
         joining = [self.prefilling] if self.prefilling is not None else []

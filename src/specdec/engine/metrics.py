@@ -31,6 +31,7 @@ class SpecMetrics:
     emitted_tokens: int = 0  # tokens produced by those passes
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    preemptions: int = 0  # times it stepped out of the batch for want of K/V pages (and recomputed its tokens)
     prefill_time: float = 0.0  # seconds
     draft_time: float = 0.0
     target_time: float = 0.0
@@ -60,7 +61,7 @@ class SpecMetrics:
 
     def merge(self, other: "SpecMetrics") -> None:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_passes", "emitted_tokens",
-                     "prompt_tokens", "cached_tokens"):
+                     "prompt_tokens", "cached_tokens", "preemptions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("prefill_time", "draft_time", "target_time", "total_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -107,6 +108,7 @@ class SpecMetrics:
             "emitted_tokens": self.emitted_tokens,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "preemptions": self.preemptions,
             "prefill_time_s": round(self.prefill_time, 4),
             "draft_time_s": round(self.draft_time, 4),
             "target_time_s": round(self.target_time, 4),

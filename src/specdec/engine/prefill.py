@@ -1,6 +1,9 @@
 """Joining the batch: a sequence's prompt fed to the target chunk by chunk, or started from the longest
 cached prefix of it (`specdec.engine.prefix_cache`), and its whole blocks and tail saved for later ones.
 
+What a joining sequence reads is all its tokens but the last, `seq.tokens[:-1]`: its prompt's, or, where it
+was preempted (`Scheduler.preempt`), its prompt's and its output's so far, recomputed.
+
 The proposer is told of each chunk (`Proposer.read_prompt`: its hidden states, for proposers on the target's
 features; a draft model reads the chunk itself where that pays) and of each prefix restored or saved (its own
 K/V: `Proposer.restore_prefix`, `save_prefix`).
@@ -34,13 +37,13 @@ class Prefill:
     def feed(self, target, seq, budget: int, batch: Joining) -> int:
         """Feed the next at most `budget` prompt tokens of `seq` to `target` (in its own row); returns how many."""
         start = self.cache.lengths[seq.row]
-        stop = min(len(seq.prompt_ids) - 1, start + budget)
+        stop = min(len(seq.tokens) - 1, start + budget)
         if stop <= start:
             return 0
         t0 = self.clock()
         device = target.device
-        chunk = torch.tensor([seq.prompt_ids[start:stop]], device=device)
-        wants = seq.prompt_logprobs is not None
+        chunk = torch.tensor([seq.tokens[start:stop]], device=device)
+        wants = seq.wants_prompt_logprobs  # (all in, where it was preempted after its prompt)
         logits, hidden = target(chunk, torch.arange(start, stop, device=device)[None],
                                      self.cache.row_view(seq.row), num_logits=stop - start if wants else 1,
                                      return_hidden=True, feature_layers=self.proposer.feature_layers)
@@ -57,10 +60,10 @@ class Prefill:
         pass (`target_pass.verify`); None when none are left to feed, or `seq` wants its prompt's log-probabilities
         (whose logits that pass does not give: it is fed on its own, `feed`)."""
         start = self.cache.lengths[seq.row]
-        stop = min(len(seq.prompt_ids) - 1, start + budget)
-        if stop <= start or seq.prompt_logprobs is not None:
+        stop = min(len(seq.tokens) - 1, start + budget)
+        if stop <= start or seq.wants_prompt_logprobs:
             return None
-        return PromptRows(seq.prompt_ids[start:stop], start)
+        return PromptRows(seq.tokens[start:stop], start)
 
     def read(self, seq, stop: int, hidden: torch.Tensor, batch: Joining, seconds: float) -> int:
         """`seq`'s prompt up to token `stop` is in its row's new slots (hidden [stop - start, H], the pass's
@@ -87,9 +90,9 @@ class Prefill:
         Example, block size 16, a 40-token prompt of which 32 are cached in blocks and a tail of 5 more: plain
         decoding and draft models prefill tokens 37..38 (a draft model reads 32..36 itself); Medusa 36..38.
         """
-        if seq.prompt_logprobs is not None:
+        if seq.wants_prompt_logprobs:
             return 0
-        pc, row, tokens = self.prefix_cache, seq.row, seq.prompt_ids[:-1]
+        pc, row, tokens = self.prefix_cache, seq.row, seq.tokens[:-1]
         keys = pc.keys(tokens, seq.cache_salt)
         found = pc.lookup(keys)
         chain = found[:self.proposer.usable_prefix(pc, found)]
@@ -101,7 +104,8 @@ class Prefill:
         restored = pc.load("target", chain, self.cache, row, tail=tail)
         cached = self.proposer.restore_prefix(seq, pc, chain, restored, batch)
         self.cache.truncate(row, cached)
-        seq.metrics.cached_tokens = cached
+        if seq.num_output == 0:  # (not its own tokens, found again where it was preempted)
+            seq.metrics.cached_tokens = cached
         return cached
 
     def save(self, seq) -> None:

@@ -47,6 +47,11 @@ class Sequence:
         return self.tokens[len(self.prompt_ids):]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prompt's log-probabilities are still to be computed (asked for, and not all in)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
     def finish_reason(self) -> str | None:
         return self.output.finish_reason
 

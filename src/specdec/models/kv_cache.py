@@ -219,6 +219,15 @@ class KVCache:
         for page in pages:
             self.zeroed[page] = True
 
+    def trim(self, row: int, slots: int) -> None:
+        """Give back the pages of `row` past its first `slots` slots and its committed ones (pages that a wide
+        pass's pads took: a row padded to a riding prompt chunk's width). Example: a row of 20 committed slots
+        holding 4 pages, trimmed to 24 slots, keeps 2."""
+        keep = self.pages_for(max(slots, self.lengths[row]))
+        pages = self.pages[row]
+        while len(pages) > keep:
+            self.release(pages.pop())
+
     def _give_back(self, row: int) -> None:
         for page in reversed(self.pages[row]):
             self.release(page)

@@ -18,7 +18,9 @@ Prefix caching (vLLM's names and meanings): `specdec:prefix_cache_queries_total`
 Requests: `specdec:request_success_total{finished_reason}` (stop, length, abort), `specdec:prompt_tokens_total`,
 `specdec:generation_tokens_total`, histograms `specdec:time_to_first_token_seconds`,
 `specdec:request_time_per_output_token_seconds` (per request, (e2e - ttft) / (tokens - 1)),
-`specdec:e2e_request_latency_seconds`, the gauge `specdec:num_requests_running`, and
+`specdec:e2e_request_latency_seconds`, the gauge `specdec:num_requests_running`,
+`specdec:num_preemptions_total` (vLLM's: times a running request stepped out of the batch for want of K/V
+pages, counted at its next output), and
 `specdec:http_requests_total{method, path, status}` for every HTTP answer, errors included; its labels are
 bounded, so that clients cannot grow the registry: a method outside HTTP's standard ones and a path outside
 the app's routes count as "other".
@@ -69,6 +71,7 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
         self.request_success = counter("request_success", "Count of finished requests.", ("finished_reason",))
         self.http_requests = counter("http_requests", "HTTP answers by route and status.", ("method", "path", "status"))
         self.running = Gauge("specdec:num_requests_running", "Requests in the engine (running or queued there).",
@@ -79,7 +82,7 @@ class ServerMetrics:
                          "Histogram of time per output token (per request mean) in seconds.", TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                         E2E_BUCKETS)
-        self._seen: dict[str, tuple[int, int, int, list[int]]] = {}  # request id -> spec counters so far
+        self._seen: dict[str, tuple[int, int, int, list[int], int]] = {}  # request id -> counters so far
         self._lock = threading.Lock()
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
@@ -90,7 +93,7 @@ class ServerMetrics:
                 s = out.metrics
                 prev = self._seen.get(out.request_id)
                 if prev is None:
-                    prev = (0, 0, 0, [])
+                    prev = (0, 0, 0, [], 0)
                     self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
                     self.prefix_cache_queries.labels(name).inc(len(out.prompt_token_ids))
                     self.prefix_cache_hits.labels(name).inc(s.cached_tokens)
@@ -102,6 +105,7 @@ class ServerMetrics:
                     if n > before:
                         self.accepted_per_pos.labels(name, str(pos)).inc(n - before)
                 self.generation_tokens.labels(name).inc(len(out.new_token_ids))
+                self.num_preemptions.labels(name).inc(max(0, s.preemptions - prev[4]))
                 seen = self._seen_drafters.setdefault(out.request_id, {})
                 for drafter, counts in s.drafters.items():
                     before = seen.get(drafter, [0, 0, 0])
@@ -114,7 +118,7 @@ class ServerMetrics:
                     self._seen_drafters.pop(out.request_id, None)
                 else:
                     self._seen[out.request_id] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                                                  list(s.accepted_per_position))
+                                                  list(s.accepted_per_position), s.preemptions)
 
     def request_finished(self, finish_reason: str, num_tokens: int, ttft: float | None, e2e: float) -> None:
         name = self.model_name

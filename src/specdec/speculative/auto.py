@@ -250,5 +250,13 @@ class AutoProposer(Proposer):
         if row is not None and row.seq is seq:
             del self._rows[seq.request_id]
 
+    def preempt(self, seq) -> None:
+        self.suffix.preempt(seq)
+        if self.second is not None:
+            self.second.preempt(seq)
+        row = self._rows.get(seq.request_id)
+        if row is not None and row.seq is seq:  # (what the gate knew of the draft model's row: gone with it)
+            del self._rows[seq.request_id]
+
     def cached_tokens(self, seq) -> int:
         return self.second.cached_tokens(seq) if self.second is not None else 0

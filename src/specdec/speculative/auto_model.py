@@ -91,7 +91,8 @@ class ModelGate:
     def reads(self, row: ModelRow, seq, start: int, batch_size: int) -> bool:
         """Whether the draft model reads `seq`'s prompt (from `start`), decided once per sequence."""
         if row.reads is None:
-            row.reads = self.reading_pays(batch_size, len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
+            row.reads = self.reading_pays(batch_size, len(seq.tokens) - 1 - start,
+                                          seq.params.max_tokens - seq.num_output)
         return row.reads
 
     def draft(self, seqs, ks, rows: list[ModelRow], drafts: list[Draft], values: list[float]):

@@ -127,7 +127,7 @@ class DraftModelProposer(Proposer):
         `seq` joins. If so, `seq` gets the acceptance prior of sequences whose prompt was read."""
         controller = self.controller
         reads = controller.draft_reads_prompt([s.estimate for s in batch.running], batch.batch_size,
-                                              len(seq.prompt_ids) - 1 - start, seq.params.max_tokens)
+                                              len(seq.tokens) - 1 - start, seq.params.max_tokens - seq.num_output)
         if reads and not seq.estimate.read_prompt:  # its acceptance is then that of drafts with their context
             seq.estimate = controller.new_estimate(read_prompt=True)
         return reads

@@ -155,6 +155,12 @@ class Proposer:
     def release(self, seq) -> None:
         """`seq` leaves the batch (its `cache` row is freed by the engine)."""
 
+    def preempt(self, seq) -> None:
+        """`seq` leaves the batch to join again later, all its tokens so far read as its prompt (its rows are
+        freed; see `Scheduler.preempt`): forget what came of its rows (by default as when it leaves for good)."""
+        self.release(seq)
+        seq.draft_state = None
+
     def cached_tokens(self, seq) -> int:
         """Leading tokens of `seq` whose K/V its `cache` row holds."""
         return 0
@@ -262,11 +268,11 @@ class SuffixProposer(Proposer):
         if self._started.get(seq.request_id) is not seq:
             self._started[seq.request_id] = seq
             self.suffix_cache.stop(seq.request_id)
-            self.suffix_cache.start(seq.request_id, seq.prompt_ids[:chunk.stop], seq.cache_salt)
+            self.suffix_cache.start(seq.request_id, seq.tokens[:chunk.stop], seq.cache_salt)
             return
         consumed = self.suffix_cache.consumed(seq.request_id)
         if consumed < chunk.stop:
-            self.suffix_cache.extend_prompt(seq.request_id, seq.prompt_ids[consumed:chunk.stop])
+            self.suffix_cache.extend_prompt(seq.request_id, seq.tokens[consumed:chunk.stop])
 
     def draft(self, seqs, ks):
         drafts = []
@@ -284,6 +290,11 @@ class SuffixProposer(Proposer):
         for seq in seqs:  # known from its first step, so that its output is kept even if it never drafts
             if self._started.get(seq.request_id) is not seq:
                 self._track(seq)
+
+    def preempt(self, seq) -> None:
+        """Its trie is no cache row: kept, up to date, so that reading its tokens again adds nothing to it."""
+        if self._started.get(seq.request_id) is seq:
+            self._track(seq)
 
     def release(self, seq) -> None:
         if self._started.get(seq.request_id) is seq:
