@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Protocol
 
-from specdec.models.kv_cache import KVCache
+from specdec.models.kv_cache import PAGE, KVCache
 
 
 class Scheduled(Protocol):
@@ -114,11 +114,27 @@ class Scheduler:
         """The sequence to preempt before the next pass, None if the batch's next writes fit every pool: the
         joining one, else the newest running one (never the only one: a pool holds one sequence of the whole
         context)."""
-        if len(self.running) + (self.prefilling is not None) < 2 or self._fits(self.running, self.prefilling):
+        if len(self.running) + (self.prefilling is not None) < 2 or self._free_room() or \
+                self._fits(self.running, self.prefilling):
             return None
         if self.prefilling is not None:
             return self.prefilling
         return self.running[-1] if len(self.running) > 1 else None
+
+    def _free_room(self) -> bool:
+        """Whether the pages the batch's rows may still take in their next pass (up to their need, and a copy of
+        each shared page they may write) are free already in every pool: `victim`'s check of every step, in
+        O(rows), before `_fits` walks the pages the prefix cache shares."""
+        members = [*self.running, *([self.prefilling] if self.prefilling is not None else [])]
+        for cache, margin in zip(self.caches, self.margins):
+            want = 0
+            for seq in members:
+                held = cache.pages[seq.row]
+                want += max(0, cache.pages_for(self.need(seq) + margin) - len(held))
+                want += sum(cache.refs[page] > 1 for page in held[cache.lengths[seq.row] // PAGE:])
+            if want > len(cache.free):
+                return False
+        return True
 
     def preempt(self, seq: Scheduled) -> None:
         """Take the joining or running `seq` out of the batch (its row freed, the rows kept packed) to the head
