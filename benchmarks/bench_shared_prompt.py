@@ -4,7 +4,7 @@ context for their answer (as coding agents send them: Claude Code asks `max_toke
 time, side by side in one run.
 
     .venv/bin/python benchmarks/bench_shared_prompt.py [--old-src ../old/src] [--system-tokens 2000]
-        [--requests 3] [--max-tokens 30000] [--answers short|long|code] [--distinct]
+        [--requests 3] [--max-tokens 30000] [--answers short|long|code] [--distinct] [--serve-args "..."]
 
 The system prompt is Python standard-library source (about `system-tokens` tokens; with --distinct a different
 module for each request); each request asks a different question about it (greedy, streamed; short and long
@@ -82,7 +82,7 @@ def run_side(src: Path, args, log_dir: str) -> list[dict]:
     env_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(src)
     try:
-        proc, url = start_server([], log_dir)
+        proc, url = start_server(args.serve_args.split(), log_dir)
     finally:
         if env_path is None:
             os.environ.pop("PYTHONPATH")
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--answers", choices=sorted(QUESTIONS), default="short")
     ap.add_argument("--max-tokens", type=int, default=30000)
     ap.add_argument("--distinct", action="store_true", help="a different system prompt for each request")
+    ap.add_argument("--serve-args", default="", help="flags for both servers, e.g. --no-enable-prefix-caching")
     args = ap.parse_args()
     sides = {"new": ROOT / "src"} | ({"old": args.old_src.resolve()} if args.old_src else {})
     results = {}
@@ -126,7 +127,7 @@ def main() -> None:
             results[name] = run_side(src, args, log_dir)
     print(f"{args.requests} requests at once, {'distinct system prompts' if args.distinct else 'a system prompt'} "
           f"of ~{args.system_tokens} tokens, max_tokens {args.max_tokens}, {args.answers} answers; `specdec serve` "
-          f"defaults; {os.cpu_count()} cores")
+          f"{args.serve_args or 'defaults'}; {os.cpu_count()} cores")
     print("| server | request | prompt tokens (cached) | first token (s) | done (s) | completion tokens | preempted |")
     print("|---|---|---|---|---|---|---|")
     for name, rows in results.items():
@@ -135,7 +136,7 @@ def main() -> None:
                   f"{r['total']:.1f} | {r.get('completion_tokens')} | {r.get('preemptions', '-')} |")
     same = len(sides) == 2 and [r["text"] for r in results["new"]] == [r["text"] for r in results["old"]]
     print(json.dumps({"bench": "shared_prompt", "requests": args.requests, "answers": args.answers,
-                      "distinct": args.distinct,
+                      "distinct": args.distinct, "serve_args": args.serve_args,
                       "system_tokens": args.system_tokens,
                       "max_tokens": args.max_tokens, "same_text": same,
                       "results": {n: [{k: v for k, v in r.items() if k != "text"} for r in rows]
