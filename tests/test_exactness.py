@@ -216,3 +216,24 @@ def test_a_prompt_read_inside_another_sequences_passes_is_bit_exact(pair, plain_
         finals |= {out.request_id: out for out in engine.step() if out.finished}
     assert len(rode) >= 5 and max(rode) == 7  # it rode (and was not fed alone)
     assert [finals["0"].token_ids, finals["1"].token_ids] == plain_outputs[:2]
+
+
+def test_a_preempted_sequence_recomputes_its_tokens_bit_exactly(pair, plain_outputs):
+    """Prompts 0 and 1 join together (the draft model drafting, K = 5) in a pool that holds both prompts but
+    not both answers: the newer one is preempted, reads its prompt and output so far again on the block kernels
+    (in chunks and riding rows, where it wrote them one verification pass at a time), and goes on. Both outputs
+    equal plain decoding's of each alone."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ids = prompts(pair.tokenizer)[:2]
+    length = len(ids[0]) + len(ids[1]) + 32  # the context, and the pool's slots for rows: 32 to write, not 128
+    proposer = DraftModelProposer(pair.draft_model, 2, length)
+    engine = Engine(pair.target, pair.tokenizer, proposer, 5, max_model_len=length, max_batch_size=2,
+                    row_tokens=length)
+    for i in range(2):
+        engine.add_request(str(i), ids[i], params)
+    finals, together = {}, False
+    while engine.has_unfinished_requests():
+        finals |= {out.request_id: out for out in engine.step() if out.finished}
+        together |= len(engine.running) == 2
+    assert together and finals["1"].metrics.preemptions > 0 and finals["0"].metrics.preemptions == 0
+    assert [finals["0"].token_ids, finals["1"].token_ids] == plain_outputs[:2]
