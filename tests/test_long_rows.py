@@ -33,6 +33,14 @@ REQUESTS = [  # (id, prompt, max_tokens, step at which it joins)
 ]
 
 
+def step_clock():
+    """The engine's clock counting its calls, not seconds: the riding prompt chunks' sizes (measured), and so who
+    runs beside whom and which prefix blocks are still cached when a request joins, do not follow the machine's
+    load."""
+    ticks = itertools.count()
+    return lambda: float(next(ticks))
+
+
 def unbatched(prompt, max_tokens: int) -> tuple[int, ...]:
     engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN)
     out = run(engine, [("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))])["r"]
@@ -94,7 +102,8 @@ def test_a_long_sequence_among_short_ones_keeps_every_output_exact(kind, k, pref
     pages, which count once, and runs beside it."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=4)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN, max_batch_size=4,
-                    row_tokens=MAX_LEN, prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=48)
+                    row_tokens=MAX_LEN, prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=48,
+                    clock=step_clock())
     assert engine.cache.batch_size == 4 and engine.cache.capacity >= MAX_LEN
     pool = engine.cache.num_pages
     batches = []
@@ -130,7 +139,7 @@ def test_requests_sharing_a_long_prompt_hold_it_once(prefix_blocks):
     the outputs of one alone."""
     prompt = tuple((11 * i + 3) % 90 for i in range(150))
     engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN,
-                    prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=64)
+                    prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=64, clock=step_clock())
     assert engine.cache.row_pages == 20 + prefix_blocks
     widest = []
 
@@ -146,11 +155,12 @@ def test_requests_sharing_a_long_prompt_hold_it_once(prefix_blocks):
 
 
 def test_rows_take_the_prefix_cache_pages_no_row_holds():
-    """A pool of 20 pages for rows and 12 for the prefix cache: requests of distinct 150-token prompts (11 pages
-    each) run 2 at a time (22 <= 32: the second takes pages of the blocks the first ones left, evicting them,
-    least recently used first), with the outputs of one alone, and every page is accounted for."""
+    """A pool of 20 pages for rows and 12 for the prefix cache: requests of distinct 150-token prompts (10 pages
+    each, 11 when done) join by what they hold, 3 at a time (30 <= 32: the second and third take pages of the
+    blocks the first ones left, evicting them, least recently used first), with the outputs of one alone, and
+    every page is accounted for."""
     engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN,
-                    prefix_cache_blocks=12, prefix_block_size=PAGE, prefill_chunk=64)
+                    prefix_cache_blocks=12, prefix_block_size=PAGE, prefill_chunk=64, clock=step_clock())
     prompts = [tuple((7 * i + 5 * j + 1) % 90 for i in range(150)) for j in range(4)]
     widest = []
 
@@ -160,7 +170,7 @@ def test_rows_take_the_prefix_cache_pages_no_row_holds():
 
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     finals = run(engine, [(str(j), prompt, p) for j, prompt in enumerate(prompts)], on_step=on_step)
-    assert max(widest) == 2
+    assert max(widest) == 3
     assert all(tuple(finals[str(j)].token_ids) == unbatched(prompt, 20) for j, prompt in enumerate(prompts))
     assert len(engine.prefix_cache.blocks) <= 12
 
@@ -229,9 +239,7 @@ def test_a_budget_without_room_for_the_models_context_lowers_it_and_says_so():
 def test_long_rows_for_every_proposer_with_prefix_hits(kind):
     """The same mix for every proposer of the prefix-cache tests (Medusa and EAGLE, chain and tree, keep
     their own K/V rows or none), 4 rows sharing 256 slots, prefix blocks of 8: greedy output == plain."""
-    ticks = itertools.count()  # (a clock of steps, not seconds: the riding chunks' sizes, and so which prefix
-    # blocks are still cached when "again" joins, do not follow the machine's load)
-    engine = make_engine(kind, chunk=48, blocks=64, batch=4, row_tokens=MAX_LEN, clock=lambda: float(next(ticks)))
+    engine = make_engine(kind, chunk=48, blocks=64, batch=4, row_tokens=MAX_LEN, clock=step_clock())
     requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                 for rid, prompt, n, _ in REQUESTS]
     finals = run(engine, requests, join_at=[at for *_, at in REQUESTS])
