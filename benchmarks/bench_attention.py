@@ -76,7 +76,7 @@ def worker(depth: int, itl: bool, fill: bool = False, itl_only: bool = False) ->
         for _ in range(4):  # taking turns, so that load from other processes falls on both
             one.append(pass_time(1, 3))
             four.append(pass_time(4, 3))
-        (w1, c1), (w4, c4) = min(one), min(four)
+        (w1, _), (w4, _) = min(one), min(four)
         out["decode_tok_s"] = 1 / w1
         out["verify4_over_1"], out["verify4_over_1_cpu"] = w4 / w1, min(c for _, c in four) / min(c for _, c in one)
         out["pass1_ms"], out["pass4_ms"] = 1e3 * w1, 1e3 * w4
@@ -122,7 +122,6 @@ def inter_token_latency(model, tokenizer, depth: int) -> dict:
     the long prompt took to its first token."""
     import torch
 
-    from specdec.config import SamplingParams
     from specdec.engine import Engine
 
     g = torch.Generator().manual_seed(1)

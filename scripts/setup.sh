@@ -19,7 +19,7 @@ fi
 if ! $PY -c "import setuptools, ninja; assert int(setuptools.__version__.split('.')[0]) >= 68" 2>/dev/null; then
   $PY -m pip install -q "setuptools>=68" ninja
 fi
-if ! $PY -c "import specdec, fastapi, transformers, openai, pytest, llguidance, matplotlib, ray.serve
+if ! $PY -c "import specdec, fastapi, transformers, openai, pytest, xdist, llguidance, matplotlib, ray.serve
 from specdec.kernels import native
 assert not native.missing(), native.missing()" 2>/dev/null; then
   start=$(date +%s)

@@ -138,7 +138,7 @@ def test_training_time_test_computes_what_the_head_computes_when_it_drafts():
 
     target = tiny_model("qwen2", seed=0)
     head = eagle3_head(target)
-    H, n = target.config.hidden_size, 6
+    n = 6
     ids = torch.randint(0, 64, (1, n + 2), generator=torch.Generator().manual_seed(1))
     _, states = target(ids, torch.arange(n + 2)[None], target.new_cache(1, n + 2), return_hidden=True,
                        feature_layers=(0,))

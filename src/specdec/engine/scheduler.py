@@ -117,9 +117,7 @@ class Scheduler:
         if len(self.running) + (self.prefilling is not None) < 2 or self._free_room() or \
                 self._fits(self.running, self.prefilling):
             return None
-        if self.prefilling is not None:
-            return self.prefilling
-        return self.running[-1] if len(self.running) > 1 else None
+        return self.prefilling if self.prefilling is not None else self.running[-1]  # (two members at least)
 
     def _free_room(self) -> bool:
         """Whether the pages the batch's rows may still take in their next pass (up to their need, and a copy of
