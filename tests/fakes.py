@@ -14,6 +14,7 @@ and `noisy_copy` make targets and drafts of known quality from `conftest.tiny_mo
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -102,6 +103,13 @@ def noisy_copy(model, std: float, seed: int = 1234):
             if p.dim() > 1:
                 p.add_(torch.randn(p.shape, generator=g) * std * p.std())
     return out.to(model.dtype).eval()
+
+
+def step_clock() -> Callable[[], float]:
+    """A clock for `Engine(clock=...)` that ticks once per reading, not in seconds: what the engine measures (the
+    riding prompt chunks' budget, the controller's costs) and so its schedule do not follow the machine's load."""
+    ticks = itertools.count()
+    return lambda: float(next(ticks))
 
 
 def one_intra_op_thread():

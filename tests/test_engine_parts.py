@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fakes import FakeTokenizer, letter
+from fakes import FakeTokenizer, letter, step_clock
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.output_text import OutputText
 from specdec.engine.scheduler import Scheduler
@@ -206,8 +206,7 @@ def test_cache_capacities_are_whole_key_blocks():
 def test_one_clock_times_the_controller_and_the_proposers():
     """The engine's clock is the controller's, and through `bind` the proposer's, an auto proposer's second
     drafter's too: a clock that ticks once per reading makes a 3-token proposal's forward 1/3 of a tick."""
-    ticks = iter(range(10_000))
-    clock = lambda: float(next(ticks))  # noqa: E731
+    clock = step_clock()
     scripted = NgramProposer(max_n=1)
     controller = SpeculationController.for_proposer(scripted, 3, clock=clock)
     assert controller.clock is clock and scripted.controller is controller and scripted.clock() == 0.0

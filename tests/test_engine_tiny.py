@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, varied_model
+from fakes import FakeTokenizer, ScriptedProposer, letter, noisy_copy, one_intra_op_thread, step_clock, \
+    varied_model
 from specdec.config import SamplingParams
 from specdec.engine import verification
 from specdec.engine import Engine
@@ -688,9 +689,7 @@ def test_abort_while_prefilling():
 def test_prefill_time_sums_the_chunks():
     """A clock that ticks once per reading: each chunk's prefill time is one tick, so a 10-token prompt fed
     3 tokens at a time (9 tokens: 3 chunks) takes 3 ticks, in the request's metrics and the cumulative ones."""
-    ticks = iter(range(10_000))
-    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, prefill_chunk=3,
-                    clock=lambda: float(next(ticks)))
+    engine = Engine(target("fp32"), FakeTokenizer(), max_model_len=MAX_LEN, prefill_chunk=3, clock=step_clock())
     out = generate(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert out.metrics.prefill_time == 3.0 and engine.metrics.prefill_time == 3.0
     assert tuple(out.token_ids) == plain("fp32", PROMPTS[0])[:5]

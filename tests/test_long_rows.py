@@ -7,12 +7,10 @@ sequence does not fit."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from fakes import FakeTokenizer, one_intra_op_thread
+from fakes import FakeTokenizer, one_intra_op_thread, step_clock
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.engine.memory import GiB, MemoryBudgetError, plan_memory
@@ -31,14 +29,6 @@ REQUESTS = [  # (id, prompt, max_tokens, step at which it joins)
     ("again", LONG, 40, 3),  # the long prompt again: a prefix-cache hit where there is a cache
     ("d", (20, 21, 22, 20, 21), 17, 3),
 ]
-
-
-def step_clock():
-    """The engine's clock counting its calls, not seconds: the riding prompt chunks' sizes (measured), and so who
-    runs beside whom and which prefix blocks are still cached when a request joins, do not follow the machine's
-    load."""
-    ticks = itertools.count()
-    return lambda: float(next(ticks))
 
 
 def unbatched(prompt, max_tokens: int) -> tuple[int, ...]:

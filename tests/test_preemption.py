@@ -7,12 +7,10 @@ preempted sequence saves and may find again), greedy and seeded; every page stay
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from fakes import FakeTokenizer, one_intra_op_thread
+from fakes import FakeTokenizer, one_intra_op_thread, step_clock
 from specdec.config import ModelConfig, SamplingParams
 from specdec.engine import Engine
 from specdec.engine.scheduler import Scheduler
@@ -34,20 +32,19 @@ RIDE = 8  # prompt tokens a step while others decode
 
 def engine_for(kind: str, blocks: int = 0, block: int = PAGE) -> Engine:
     """4 rows sharing 256 slots (+ the drafts' pads), `blocks` prefix-cache blocks of `block` tokens. A joining
-    prompt rides 8 tokens a step in the running rows' passes, and the engine's clock counts calls, not seconds (the
+    prompt rides `RIDE` tokens a step in the running rows' passes, and the engine's clock counts calls, not seconds (the
     measured riding budget and auto speculation's measured costs would make the schedule, and whether the pool is
     outgrown before the first request ends, follow the machine's load)."""
-    ticks = itertools.count()
     if kind in ("suffix", "auto"):
         suffix = SuffixProposer(SuffixCache(8, 100))
         proposer = suffix if kind == "suffix" else AutoProposer(
             suffix, DraftModelProposer(draft("fp32", "noisy copy"), 4, MAX_LEN, window=16), 3, True, "draft_model")
         engine = Engine(target("fp32"), FakeTokenizer(), proposer, 5 if kind == "suffix" else 8,
                         max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN, prefill_chunk=48,
-                        prefix_cache_blocks=blocks, prefix_block_size=block, clock=lambda: float(next(ticks)))
+                        prefix_cache_blocks=blocks, prefix_block_size=block, clock=step_clock())
     else:
         engine = make_engine(kind, chunk=48, blocks=blocks, batch=4, block=block, row_tokens=MAX_LEN,
-                             clock=lambda: float(next(ticks)))
+                             clock=step_clock())
     engine.chunk_budget.tokens = lambda batch_size: RIDE
     return engine
 
