@@ -51,9 +51,10 @@ def test_train_heads_then_generate_with_them(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "eagle"
     assert main(["train-heads", tiny_gguf, "--method", "eagle", "--out", str(out), "--corpus-tokens", "600",
                  "--self-distill-prompts", "0", "--seq-len", "32", "--epochs", "1", "--vocab-size", "64",
-                 "--quantization", "none", "--dtype", "float32"]) == 0
+                 "--held-out-tasks", "2", "--quantization", "none", "--dtype", "float32"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["method"] == "eagle" and report["steps"] >= 1 and (out / "model.safetensors").is_file()
+    assert report["windows"]["held_out"] == 2  # HumanEval tasks 0-1, read by no training
 
     args = ["generate", tiny_gguf, "--prompt", "ab", "--max-tokens", "7", "--quantization", "none",
             "--dtype", "float32", "--json", "--temperature", "0"]

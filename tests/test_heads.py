@@ -184,6 +184,31 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
     assert again["train_time_s"] == report["train_time_s"] and again["curve"] == report["curve"]
 
 
+def test_held_out_tasks_evaluate_on_humaneval_eval_split_solutions_and_train_on_every_window(tmp_path):
+    """--held-out-tasks N: the report's held-out windows are HumanEval tasks 0..N-1 (prompt + reference
+    solution, read by no training), and no training window is held back."""
+    import gzip
+
+    from safetensors.torch import load_file
+
+    from specdec.data import DATA_DIR
+
+    target = tiny_model("qwen2", dtype=torch.bfloat16)
+    cfg = TrainConfig(method="eagle", out=tmp_path / "heads", corpus_tokens=1024, self_distill_prompts=0,
+                      seq_len=64, vocab_size=64, epochs=1, batch_size=4, lr=3e-3, feature_layers=(0,),
+                      ttt_steps=2, held_out_tasks=3)
+    report = train_heads(target, ByteTokenizer(), "tiny", cfg)
+    trained = len(list((tmp_path / "heads" / "features").glob("shard_*.safetensors")))
+    assert report["windows"]["train"] == trained and report["windows"]["held_out"] == 3
+    assert report["windows"]["held_out_from"].startswith("HumanEval tasks 0-2")
+    with gzip.open(DATA_DIR / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        tasks = [json.loads(next(f)) for _ in range(3)]
+    held = sorted((tmp_path / "heads" / "features" / "held_out").glob("shard_*.safetensors"))
+    assert [load_file(str(p))["tokens"].tolist() for p in held] == \
+        [ByteTokenizer().encode(t["prompt"] + t["canonical_solution"])[-64:] for t in tasks]
+    assert len(report["held_out_top1_per_depth"]) == 2
+
+
 @pytest.mark.parametrize("feature_layers", [(), (0,)])
 def test_an_eagle_head_on_the_block_kernels_runs_its_layer_as_one_op(tmp_path, feature_layers):
     """On a target on the block kernels, the head's layer is one kernel op (Q/K/V and gate/up one Q8_0

@@ -48,12 +48,14 @@ def prompt_split(data_dir: Path, tokenizer, split: str) -> list[list[int]]:
     return prompts
 
 
-def solution_windows(data_dir: Path, tokenizer, count: int, seq_len: int) -> list[list[int]]:
-    """HumanEval's training-split tasks (100 on) as prompt + reference solution, the first `count`, each cut
-    to its last seq_len tokens: code in the form the code prompts ask for, far cheaper than the target's own
-    answers (teacher-forced: the labels are still the target's choices)."""
+def solution_windows(data_dir: Path, tokenizer, count: int, seq_len: int, split: str = "train") -> list[list[int]]:
+    """HumanEval's tasks of one split (as `prompt_split`: "train" is 100 on, "eval" 0-99) as prompt + reference
+    solution, the first `count`, each cut to its last seq_len tokens: code in the form the code prompts ask
+    for, far cheaper than the target's own answers (teacher-forced: the labels are still the target's
+    choices). The eval split's are held-out windows no training reads (`TrainConfig.held_out_tasks`)."""
+    start, stop = (100, None) if split == "train" else (0, 100)
     with gzip.open(data_dir / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
-        tasks = [json.loads(line) for line in f][100:100 + count]
+        tasks = [json.loads(line) for line in f][start:stop][:count]
     return [tokenizer.encode(t["prompt"] + t["canonical_solution"])[-seq_len:] for t in tasks]
 
 

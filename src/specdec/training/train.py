@@ -49,6 +49,10 @@ class TrainConfig:
     batch_size: int = 4
     lr: float = 1e-3
     held_out: float = 0.08  # fraction of windows kept for the accuracy report
+    # > 0: the report's held-out windows are instead HumanEval's eval-split tasks 0..N-1 (prompt + reference
+    # solution), which no training run reads, and every window trains (a random share of the windows may be
+    # ones that the heads of --init-from were trained on)
+    held_out_tasks: int = 0
     checkpoint_every: int = 100
     eagle_cls_weight: float = 0.1  # EAGLE: weight of the token loss beside the feature loss
     # EAGLE-3 style (eagle with feature layers): the target layers fused into the head's input, and the
@@ -78,8 +82,9 @@ def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     shards = extract_features(target, training_windows(target, tokenizer, cfg), cfg.features_dir, cfg.feature_layers)
     extract_time = time.perf_counter() - t0
     cfg.out.mkdir(parents=True, exist_ok=True)
+    held_out = held_out_shards(target, tokenizer, cfg) if cfg.held_out_tasks else None
     with torch.inference_mode(False), torch.enable_grad():
-        run = _setup(target, target_name, cfg, shards)
+        run = _setup(target, target_name, cfg, shards, held_out)
         _resume(run, cfg.out / "checkpoint.pt")
         before = None
         if run.step == 0:  # (with a curve: its first point, the heads as they start)
@@ -137,14 +142,20 @@ class _Run:
     curve: list[dict] = field(default_factory=list)  # held-out figures as training goes (`curve_every`)
 
 
-def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path]) -> _Run:
-    """Hold out cfg.held_out of the windows (seeded), choose the heads' vocabulary on the others, build the
-    heads on the target and their optimizer."""
+def held_out_shards(target, tokenizer, cfg: TrainConfig) -> list[Path]:
+    """Features of the held-out windows of `cfg.held_out_tasks` (in features/held_out, kept as the others)."""
+    windows = {"humaneval_eval": solution_windows(cfg.data_dir, tokenizer, cfg.held_out_tasks, cfg.seq_len, "eval")}
+    return extract_features(target, windows, cfg.features_dir / "held_out", cfg.feature_layers)
+
+
+def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_out: list[Path] | None) -> _Run:
+    """Hold out cfg.held_out of the windows (seeded; or train on all and evaluate on `held_out`), choose the
+    heads' vocabulary on the training windows, build the heads on the target and their optimizer."""
     torch.manual_seed(cfg.seed)
     windows = load_windows(shards)
     order = list(range(len(windows)))
     random.Random(cfg.seed).shuffle(order)
-    n_eval = max(1, int(len(windows) * cfg.held_out))
+    n_eval = 0 if held_out else max(1, int(len(windows) * cfg.held_out))
     start = _eagle_start(cfg.init_from, target) if cfg.init_from else None
     vocab_ids = start.vocab_ids if start is not None else \
         choose_vocab([shards[i] for i in order[n_eval:]], cfg.vocab_size, target.config.vocab_size)
@@ -155,8 +166,9 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path]) -> _R
     to_reduced[vocab_ids] = torch.arange(len(vocab_ids))
     params = [p for p in head.parameters() if p.requires_grad]
     steps_per_epoch = max(1, (len(windows) - n_eval) // cfg.batch_size)
+    eval_windows = load_windows(held_out) if held_out else [windows[i] for i in order[:n_eval]]
     return _Run(head=head, params=params, optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0),
-                train_windows=[windows[i] for i in order[n_eval:]], eval_windows=[windows[i] for i in order[:n_eval]],
+                train_windows=[windows[i] for i in order[n_eval:]], eval_windows=eval_windows,
                 to_reduced=to_reduced, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * cfg.epochs,
                 ttt_steps=cfg.ttt_steps if cfg.method == "eagle" and cfg.feature_layers else 0)
 
@@ -264,7 +276,9 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "method": cfg.method,
         "target": target_name,
         "data_tokens": tokens_by_source(shards),
-        "windows": {"train": len(run.train_windows), "held_out": len(run.eval_windows), "seq_len": cfg.seq_len},
+        "windows": {"train": len(run.train_windows), "held_out": len(run.eval_windows), "seq_len": cfg.seq_len,
+                    "held_out_from": f"HumanEval tasks 0-{cfg.held_out_tasks - 1}, prompt + reference solution"
+                    if cfg.held_out_tasks else f"a random {cfg.held_out:.0%} of the windows"},
         "held_out_prompts": "HumanEval 0-99 and the first half of each Spec-Bench category are never trained on",
         "vocab_size": len(run.head.vocab_ids),
         "vocab_coverage_held_out": round(float((run.to_reduced[eval_labels] >= 0).float().mean()), 4),
