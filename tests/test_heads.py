@@ -187,6 +187,7 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
 def test_held_out_tasks_evaluate_on_humaneval_eval_split_solutions_and_train_on_every_window(tmp_path):
     """--held-out-tasks N: the report's held-out windows are HumanEval tasks 0..N-1 (prompt + reference
     solution, read by no training), and no training window is held back."""
+    import dataclasses
     import gzip
 
     from safetensors.torch import load_file
@@ -207,6 +208,10 @@ def test_held_out_tasks_evaluate_on_humaneval_eval_split_solutions_and_train_on_
     assert [load_file(str(p))["tokens"].tolist() for p in held] == \
         [ByteTokenizer().encode(t["prompt"] + t["canonical_solution"])[-64:] for t in tasks]
     assert len(report["held_out_top1_per_depth"]) == 2
+    # more tasks than the eval split holds: refused before any feature is extracted
+    with pytest.raises(ValueError, match="held_out_tasks must be 0-100"):
+        train_heads(target, ByteTokenizer(), "tiny", dataclasses.replace(cfg, out=tmp_path / "x", held_out_tasks=101))
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("feature_layers", [(), (0,)])

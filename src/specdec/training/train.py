@@ -76,6 +76,8 @@ class TrainConfig:
 def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     """Extract features (cached), train (resuming from the checkpoint), save the heads and report.json to
     cfg.out; return the report."""
+    if not 0 <= cfg.held_out_tasks <= 100:
+        raise ValueError(f"held_out_tasks must be 0-100 (HumanEval's eval split), not {cfg.held_out_tasks}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
@@ -277,7 +279,7 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "target": target_name,
         "data_tokens": tokens_by_source(shards),
         "windows": {"train": len(run.train_windows), "held_out": len(run.eval_windows), "seq_len": cfg.seq_len,
-                    "held_out_from": f"HumanEval tasks 0-{cfg.held_out_tasks - 1}, prompt + reference solution"
+                    "held_out_from": f"HumanEval tasks 0-{len(run.eval_windows) - 1}, prompt + reference solution"
                     if cfg.held_out_tasks else f"a random {cfg.held_out:.0%} of the windows"},
         "held_out_prompts": "HumanEval 0-99 and the first half of each Spec-Bench category are never trained on",
         "vocab_size": len(run.head.vocab_ids),
