@@ -51,10 +51,12 @@ def test_train_heads_then_generate_with_them(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "eagle"
     assert main(["train-heads", tiny_gguf, "--method", "eagle", "--out", str(out), "--corpus-tokens", "600",
                  "--self-distill-prompts", "0", "--seq-len", "32", "--epochs", "1", "--vocab-size", "64",
-                 "--held-out-tasks", "2", "--quantization", "none", "--dtype", "float32"]) == 0
+                 "--held-out-tasks", "2", "--held-out-text", "answers", "--self-distill-tokens", "8",
+                 "--quantization", "none", "--dtype", "float32"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["method"] == "eagle" and report["steps"] >= 1 and (out / "model.safetensors").is_file()
-    assert report["windows"]["held_out"] == 2  # HumanEval tasks 0-1, read by no training
+    # HumanEval tasks 0-1, read by no training: the target's answers to them
+    assert report["windows"]["held_out"] == 2 and "greedy answers" in report["windows"]["held_out_from"]
 
     args = ["generate", tiny_gguf, "--prompt", "ab", "--max-tokens", "7", "--quantization", "none",
             "--dtype", "float32", "--json", "--temperature", "0"]

@@ -130,6 +130,14 @@ def test_a_chain_accepts_the_leading_steps_that_agree():
     assert leading_agreement(rights).tolist() == [[2, 1, 0]]
 
 
+def test_a_walk_visits_the_positions_that_greedy_decoding_passes_start_at():
+    from specdec.training.losses import walk
+
+    assert walk([2, 0, 0, 1, 0, 0]) == [2, 1, 0]  # passes at 0, 3 and 5
+    assert walk([2, 0, 0, 1, 0, 0], start=1) == [0, 0, 1, 0]  # at 1, 2, 3 and 5
+    assert walk([3, 3, 3, 3], start=0) == [3] and walk([], start=0) == []
+
+
 def test_training_time_test_computes_what_the_head_computes_when_it_drafts():
     """Step 1 of `ttt_losses` at position t is the head's pass over the committed pairs; step 2 at t is the pass
     the proposer makes for a chain's second node: the root's output and the next token at position t + 1,
@@ -184,17 +192,21 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
     assert again["train_time_s"] == report["train_time_s"] and again["curve"] == report["curve"]
 
 
-def test_held_out_tasks_evaluate_on_humaneval_eval_split_solutions_and_train_on_every_window(tmp_path):
+def test_held_out_tasks_evaluate_on_humaneval_eval_split_tasks_and_train_on_every_window(tmp_path):
     """--held-out-tasks N: the report's held-out windows are HumanEval tasks 0..N-1 (prompt + reference
-    solution, read by no training), and no training window is held back."""
+    solution, or with --held-out-text answers the target's own greedy answers to their prompts: read by no
+    training), and no training window is held back."""
     import dataclasses
     import gzip
 
     from safetensors.torch import load_file
 
+    from specdec.config import SamplingParams
     from specdec.data import DATA_DIR
+    from specdec.engine import Engine
+    from specdec.training.train import held_out_windows
 
-    target = tiny_model("qwen2", dtype=torch.bfloat16)
+    target = tiny_model("qwen2", dtype=torch.bfloat16, max_position_embeddings=1024)  # (whole prompts below)
     cfg = TrainConfig(method="eagle", out=tmp_path / "heads", corpus_tokens=1024, self_distill_prompts=0,
                       seq_len=64, vocab_size=64, epochs=1, batch_size=4, lr=3e-3, feature_layers=(0,),
                       ttt_steps=2, held_out_tasks=3)
@@ -208,6 +220,22 @@ def test_held_out_tasks_evaluate_on_humaneval_eval_split_solutions_and_train_on_
     assert [load_file(str(p))["tokens"].tolist() for p in held] == \
         [ByteTokenizer().encode(t["prompt"] + t["canonical_solution"])[-64:] for t in tasks]
     assert len(report["held_out_top1_per_depth"]) == 2
+    # the target's own answers instead: the whole prompt + the engine's greedy answer, scored from the position
+    # whose pass drafts the answer's second token (the first is the prefill's)
+    answers = dataclasses.replace(cfg, out=tmp_path / "answers", features=tmp_path / "heads" / "features",
+                                  held_out_text="answers", self_distill_tokens=10, epochs=1)
+    report = train_heads(target, ByteTokenizer(), "tiny", answers)
+    assert "greedy answers" in report["windows"]["held_out_from"] and report["windows"]["held_out"] == 3
+    assert 1 <= report["held_out_chain_tokens_per_pass_walk"] <= 3
+    engine = Engine(target, ByteTokenizer(), max_model_len=1024)
+    held = held_out_windows(target, ByteTokenizer(), answers)
+    for i, (task, w) in enumerate(zip(tasks, held)):
+        prompt = ByteTokenizer().encode(task["prompt"])
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=10))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                pass
+        assert w["tokens"].tolist() == prompt + out.token_ids and w["scored_from"] == len(prompt) - 1
     # more tasks than the eval split holds: refused before any feature is extracted
     with pytest.raises(ValueError, match="held_out_tasks must be 0-100"):
         train_heads(target, ByteTokenizer(), "tiny", dataclasses.replace(cfg, out=tmp_path / "x", held_out_tasks=101))

@@ -22,15 +22,21 @@ from tqdm import tqdm
 from specdec.config import SamplingParams
 
 
+def humaneval_tasks(data_dir: Path, split: str) -> list[dict]:
+    """HumanEval's tasks of one split, as `prompt_split`: "train" is 100 on, "eval" 0-99."""
+    with gzip.open(data_dir / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        tasks = [json.loads(line) for line in f]
+    return tasks[100:] if split == "train" else tasks[:100]
+
+
 def prompt_split(data_dir: Path, tokenizer, split: str) -> list[list[int]]:
     """Prompt token ids of one split: "train" (HumanEval 100-163, the second half of each Spec-Bench
     category) or "eval" (the rest: what benchmarks and tests use)."""
-    with gzip.open(data_dir / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
-        humaneval = [json.loads(line) for line in f]
     with open(data_dir / "spec_bench" / "question.jsonl") as f:
         spec_bench = [json.loads(line) for line in f]
     train = split == "train"
-    prompts = [tokenizer.encode(r["prompt"]) for r in (humaneval[100:] if train else humaneval[:100])]
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(data_dir, split)]
+    n_code = len(prompts)
     by_category: dict[str, list[dict]] = {}
     for row in spec_bench:
         by_category.setdefault(row["category"], []).append(row)
@@ -43,7 +49,7 @@ def prompt_split(data_dir: Path, tokenizer, split: str) -> list[list[int]]:
             text = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}])
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
     if train:  # alternate code completions and chats
-        code, chat = prompts[: len(humaneval) - 100], prompts[len(humaneval) - 100:]
+        code, chat = prompts[:n_code], prompts[n_code:]
         prompts = [p for pair in zip(code, chat) for p in pair]
     return prompts
 
@@ -53,9 +59,7 @@ def solution_windows(data_dir: Path, tokenizer, count: int, seq_len: int, split:
     solution, the first `count`, each cut to its last seq_len tokens: code in the form the code prompts ask
     for, far cheaper than the target's own answers (teacher-forced: the labels are still the target's
     choices). The eval split's are held-out windows no training reads (`TrainConfig.held_out_tasks`)."""
-    start, stop = (100, None) if split == "train" else (0, 100)
-    with gzip.open(data_dir / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
-        tasks = [json.loads(line) for line in f][start:stop][:count]
+    tasks = humaneval_tasks(data_dir, split)[:count]
     return [tokenizer.encode(t["prompt"] + t["canonical_solution"])[-seq_len:] for t in tasks]
 
 
@@ -82,13 +86,22 @@ def stdlib_windows(tokenizer, total_tokens: int, seq_len: int, seed: int) -> lis
 
 def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int, seq_len: int,
                    batch_size: int = 4, done_path: Path | None = None) -> list[list[int]]:
-    """The target's own greedy answers, appended to their prompts (cut to the last seq_len tokens); `batch_size`
-    requests at a time (a pass of a few rows costs about one row's on the block kernels). With `done_path`,
-    each answer is appended there (a JSON line: its index, prompt and answer) as it finishes, and those found
-    there for the same prompt and length are not asked again: an interrupted run resumes."""
+    """The target's own greedy answers, appended to their prompts (cut to the last seq_len tokens): the windows
+    of `greedy_answers`."""
+    return [(tail + answer)[-seq_len:]
+            for tail, answer in greedy_answers(target, tokenizer, prompts, max_tokens, seq_len, batch_size, done_path)]
+
+
+def greedy_answers(target, tokenizer, prompts: list[list[int]], max_tokens: int, seq_len: int | None,
+                   batch_size: int = 4, done_path: Path | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt tail, answer) per prompt: the target's greedy answer of at most `max_tokens` to the prompt's last
+    seq_len - max_tokens tokens (16 at least; None: the whole prompt); `batch_size` requests at a time (a pass of a few rows costs about
+    one row's on the block kernels). With `done_path`, each answer is appended there (a JSON line: its index,
+    prompt and answer) as it finishes, and those found there for the same prompt and length are not asked
+    again: an interrupted run resumes."""
     from specdec.engine import Engine
 
-    tails = [ids[-max(16, seq_len - max_tokens):] for ids in prompts]  # a prompt's tail
+    tails = [ids[-max(16, seq_len - max_tokens):] if seq_len else list(ids) for ids in prompts]  # a prompt's tail
     done: dict[str, list[int]] = {}
     if done_path is not None and done_path.exists():
         for line in done_path.read_text().splitlines():
@@ -98,7 +111,7 @@ def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int,
             except (ValueError, KeyError, TypeError):
                 continue  # (a line cut short by the interruption)
             if 0 <= i < len(tails) and row.get("prompt") == tails[i] and row.get("max_tokens") == max_tokens:
-                done[str(i)] = tails[i] + row["answer"]
+                done[str(i)] = row["answer"]
     engine = Engine(target, tokenizer, max_model_len=4096, max_batch_size=batch_size)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for i, ids in enumerate(tails):
@@ -111,7 +124,7 @@ def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int,
                 for out in engine.step():
                     bar.update(len(out.new_token_ids))
                     if out.finished:
-                        done[out.request_id] = out.prompt_token_ids + out.token_ids
+                        done[out.request_id] = out.token_ids
                         if log is not None:
                             log.write(json.dumps({"i": int(out.request_id), "prompt": out.prompt_token_ids,
                                                   "max_tokens": max_tokens, "answer": out.token_ids}) + "\n")
@@ -119,7 +132,7 @@ def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int,
     finally:
         if log is not None:
             log.close()
-    return [done[str(i)][-seq_len:] for i in range(len(prompts))]
+    return [(tails[i], done[str(i)]) for i in range(len(prompts))]
 
 
 @torch.inference_mode()

@@ -70,9 +70,9 @@ def ttt_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, steps: in
     token t + k + 1 (the target's choice `target_next[t + k]`). Its attention sees what a drafted node sees:
     the step-1 pairs of positions <= t (the committed pairs) and its own chain, the outputs of steps 2..k at t
     (`ttt_mask`). Loss: sum over steps of decay^(k-1) x cross-entropy. Returns the loss, per step (correct,
-    counted) top-1 given the earlier steps' tokens, and (accepted, positions) of the whole chain: how many
-    leading steps agree with the target, summed over positions (a chain draft of `steps` tokens accepts that
-    many on average, teacher-forced).
+    counted) top-1 given the earlier steps' tokens, and per step whether the guess at each position agrees
+    with the target (bool [B, T - steps]; `leading_agreement` of them: what a chain draft of `steps` tokens
+    would accept there, teacher-forced).
 
     Example, steps 2, window tokens [a, b, c, d]: position 0 reads (f_a, b) then (out_1, c) and guesses the
     target's choices after b and after c."""
@@ -95,7 +95,21 @@ def ttt_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, steps: in
         rights.append(head.vocab_ids[logits.argmax(-1)] == labels)  # [B, n]
         hits.append((int(rights[-1].sum()), labels.numel()))
         x = pred
-    return loss, hits, (int(leading_agreement(rights).sum()), B * n)
+    return loss, hits, rights
+
+
+def walk(leading: list[int], start: int = 0) -> list[int]:
+    """The drafted tokens each pass accepts when greedy decoding runs over a text the target itself chose, from
+    position `start` to the end of `leading` (per position, what a pass there accepts: `leading_agreement`):
+    each pass emits its accepted tokens and the target's own next one, and the next pass starts after them, as
+    the engine's do. Example: leading [2, 0, 0, 1, 0, 0] -> passes at 0, 3 and 5 accept [2, 1, 0] (6 tokens
+    in 3 passes)."""
+    accepted = []
+    t = start
+    while t < len(leading):
+        accepted.append(leading[t])
+        t += leading[t] + 1
+    return accepted
 
 
 def leading_agreement(rights: list[torch.Tensor]) -> torch.Tensor:
@@ -153,23 +167,34 @@ def evaluate(head, windows: list[dict], to_reduced: torch.Tensor, ttt_steps: int
 
 
 def evaluate_chains(head, windows: list[dict], to_reduced: torch.Tensor,
-                    ttt_steps: int = 0) -> tuple[list[float], float | None]:
-    """`evaluate`'s top-1 per head or step, and with `ttt_steps` the tokens a chain of that many drafted
-    tokens would make per target pass, teacher-forced: 1 + the mean number of leading steps agreeing with the
-    target (an estimate: decoding visits positions differently, and the engine measures the real figure)."""
+                    ttt_steps: int = 0) -> tuple[list[float], float | None, float | None]:
+    """`evaluate`'s top-1 per head or step, and with `ttt_steps` the tokens a chain of that many drafted tokens
+    would make per target pass, teacher-forced, two ways: 1 + the mean number of leading steps agreeing with
+    the target over all positions, and as greedy decoding would visit the positions (`walk`). The walk is what
+    the engine measures when a window is the target's own greedy answer scored from the answer's first
+    drafted position (a window's "scored_from": top-1 and both figures count only positions from there);
+    over other text it is an estimate."""
     if isinstance(head, MedusaHeads):
         losses = medusa_losses
     else:
         losses = partial(ttt_losses, steps=ttt_steps) if ttt_steps else eagle_losses
     correct: list[int] = []
     counted: list[int] = []
-    accepted = positions = 0
+    accepted = positions = walked = passes = 0
     with torch.no_grad():
         for w in windows:
-            _, hits, *chain = losses(head, collate([w]), to_reduced)
+            start = w.get("scored_from", 0)
+            _, hits, *chain = losses(head, collate([{k: v for k, v in w.items() if k != "scored_from"}]), to_reduced)
+            if chain:  # per step, agreement at each position: count those from `start`
+                rights = [r[0, start:] for r in chain[0]]
+                hits = [(int(r.sum()), r.numel()) for r in rights]
+                leading = leading_agreement(rights)
+                accepted, positions = accepted + int(leading.sum()), positions + leading.numel()
+                passed = walk(leading.tolist())
+                walked, passes = walked + sum(passed) + len(passed), passes + len(passed)
             correct = [a + c for a, (c, _) in zip(correct or [0] * len(hits), hits)]
             counted = [a + n for a, (_, n) in zip(counted or [0] * len(hits), hits)]
-            if chain:
-                accepted, positions = accepted + chain[0][0], positions + chain[0][1]
     per_step = [round(c / max(n, 1), 4) for c, n in zip(correct, counted)]
-    return per_step, (round(1 + accepted / positions, 4) if positions else None)
+    if not positions:
+        return per_step, None, None
+    return per_step, round(1 + accepted / positions, 4), round(walked / max(passes, 1), 4)

@@ -28,10 +28,12 @@ from specdec.data import DATA_DIR
 from specdec.heads.modules import (EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, read_heads_config,
                                    save_heads, target_fingerprint)
 from specdec.training.features import (
-    choose_vocab, collate, extract_features, load_windows, prompt_split, self_distilled, solution_windows,
-    stdlib_windows, tokens_by_source,
+    choose_vocab, collate, extract_features, greedy_answers, humaneval_tasks, load_windows, prompt_split,
+    self_distilled, solution_windows, stdlib_windows, tokens_by_source,
 )
 from specdec.training.losses import eagle_losses, evaluate_chains, medusa_losses, ttt_losses
+
+HELD_OUT_TEXTS = ("solutions", "answers")  # TrainConfig.held_out_text
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ class TrainConfig:
     # solution), which no training run reads, and every window trains (a random share of the windows may be
     # ones that the heads of --init-from were trained on)
     held_out_tasks: int = 0
+    # what of those tasks is held out: "solutions" (prompt + reference solution, cut to seq_len) or "answers"
+    # (the whole prompt + the target's own greedy answer of self_distill_tokens, scored from the answer's first
+    # drafted position: the text greedy decoding drafts on, where the report's walk figure estimates the
+    # engine's tokens per pass)
+    held_out_text: str = "solutions"
     checkpoint_every: int = 100
     eagle_cls_weight: float = 0.1  # EAGLE: weight of the token loss beside the feature loss
     # EAGLE-3 style (eagle with feature layers): the target layers fused into the head's input, and the
@@ -78,13 +85,15 @@ def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     cfg.out; return the report."""
     if not 0 <= cfg.held_out_tasks <= 100:
         raise ValueError(f"held_out_tasks must be 0-100 (HumanEval's eval split), not {cfg.held_out_tasks}")
+    if cfg.held_out_text not in HELD_OUT_TEXTS:
+        raise ValueError(f"held_out_text must be one of {', '.join(HELD_OUT_TEXTS)}, not {cfg.held_out_text!r}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     shards = extract_features(target, training_windows(target, tokenizer, cfg), cfg.features_dir, cfg.feature_layers)
     extract_time = time.perf_counter() - t0
     cfg.out.mkdir(parents=True, exist_ok=True)
-    held_out = held_out_shards(target, tokenizer, cfg) if cfg.held_out_tasks else None
+    held_out = held_out_windows(target, tokenizer, cfg) if cfg.held_out_tasks else None
     with torch.inference_mode(False), torch.enable_grad():
         run = _setup(target, target_name, cfg, shards, held_out)
         _resume(run, cfg.out / "checkpoint.pt")
@@ -144,13 +153,28 @@ class _Run:
     curve: list[dict] = field(default_factory=list)  # held-out figures as training goes (`curve_every`)
 
 
-def held_out_shards(target, tokenizer, cfg: TrainConfig) -> list[Path]:
-    """Features of the held-out windows of `cfg.held_out_tasks` (in features/held_out, kept as the others)."""
-    windows = {"humaneval_eval": solution_windows(cfg.data_dir, tokenizer, cfg.held_out_tasks, cfg.seq_len, "eval")}
-    return extract_features(target, windows, cfg.features_dir / "held_out", cfg.feature_layers)
+@torch.inference_mode()
+def held_out_windows(target, tokenizer, cfg: TrainConfig) -> list[dict]:
+    """The held-out windows of `cfg.held_out_tasks` with their features (`load_windows`), kept as the others:
+    solutions in features/held_out; answers in features/held_out_answers (the answers as they finish in its
+    answers.jsonl), each window with its "scored_from" (`evaluate_chains`)."""
+    if cfg.held_out_text == "solutions":
+        windows = {"humaneval_eval": solution_windows(cfg.data_dir, tokenizer, cfg.held_out_tasks, cfg.seq_len, "eval")}
+        return load_windows(extract_features(target, windows, cfg.features_dir / "held_out", cfg.feature_layers))
+    folder = cfg.features_dir / "held_out_answers"
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = [tokenizer.encode(t["prompt"]) for t in humaneval_tasks(cfg.data_dir, "eval")[: cfg.held_out_tasks]]
+    # whole prompts (a held-out window is read alone: no batch to cut it for), as a benchmark sends them
+    answers = greedy_answers(target, tokenizer, prompts, cfg.self_distill_tokens, None, cfg.distill_batch_size,
+                             folder / "answers.jsonl")
+    texts = [prompt + answer for prompt, answer in answers]
+    # the first pass that drafts reads the feature of the prompt's last token (and the answer's first token)
+    starts = [len(prompt) - 1 for prompt, _ in answers]
+    windows = load_windows(extract_features(target, {"humaneval_eval_answers": texts}, folder, cfg.feature_layers))
+    return [{**w, "scored_from": start} for w, start in zip(windows, starts)]
 
 
-def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_out: list[Path] | None) -> _Run:
+def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_out: list[dict] | None) -> _Run:
     """Hold out cfg.held_out of the windows (seeded; or train on all and evaluate on `held_out`), choose the
     heads' vocabulary on the training windows, build the heads on the target and their optimizer."""
     torch.manual_seed(cfg.seed)
@@ -168,7 +192,7 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_
     to_reduced[vocab_ids] = torch.arange(len(vocab_ids))
     params = [p for p in head.parameters() if p.requires_grad]
     steps_per_epoch = max(1, (len(windows) - n_eval) // cfg.batch_size)
-    eval_windows = load_windows(held_out) if held_out else [windows[i] for i in order[:n_eval]]
+    eval_windows = held_out if held_out else [windows[i] for i in order[:n_eval]]
     return _Run(head=head, params=params, optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0),
                 train_windows=[windows[i] for i in order[n_eval:]], eval_windows=eval_windows,
                 to_reduced=to_reduced, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * cfg.epochs,
@@ -252,11 +276,13 @@ def _loop(run: _Run, cfg: TrainConfig) -> None:
 def _held_out(run: _Run, cfg: TrainConfig) -> dict:
     """The held-out figures now: top-1 per head or step and (EAGLE-3) a chain's teacher-forced tokens per pass,
     after how many training tokens (windows seen x their length; the first epoch sees each once)."""
-    per_step, chain = evaluate_chains(run.head, run.eval_windows, run.to_reduced, run.ttt_steps)
+    per_step, chain, walked = evaluate_chains(run.head, run.eval_windows, run.to_reduced, run.ttt_steps)
     seen = min(run.step * cfg.batch_size, len(run.train_windows) * cfg.epochs)
     point = {"step": run.step, "epoch": round(run.step / run.steps_per_epoch, 3),
              "train_tokens_seen": seen * cfg.seq_len, "held_out_top1": per_step}
-    return {**point, "chain_tokens_per_pass_estimate": chain} if chain is not None else point
+    if chain is None:
+        return point
+    return {**point, "chain_tokens_per_pass_estimate": chain, "chain_tokens_per_pass_walk": walked}
 
 
 def cosine_lr(step: int, total_steps: int, warmup: int, peak: float) -> float:
@@ -279,8 +305,7 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "target": target_name,
         "data_tokens": tokens_by_source(shards),
         "windows": {"train": len(run.train_windows), "held_out": len(run.eval_windows), "seq_len": cfg.seq_len,
-                    "held_out_from": f"HumanEval tasks 0-{len(run.eval_windows) - 1}, prompt + reference solution"
-                    if cfg.held_out_tasks else f"a random {cfg.held_out:.0%} of the windows"},
+                    "held_out_from": _held_out_from(run, cfg)},
         "held_out_prompts": "HumanEval 0-99 and the first half of each Spec-Bench category are never trained on",
         "vocab_size": len(run.head.vocab_ids),
         "vocab_coverage_held_out": round(float((run.to_reduced[eval_labels] >= 0).float().mean()), 4),
@@ -298,8 +323,18 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "held_out_top1_before": before,
         ("held_out_top1_per_head" if cfg.method == "medusa" else "held_out_top1_per_depth"): accuracy,
         **({"held_out_chain_tokens_per_pass_estimate": final["chain_tokens_per_pass_estimate"],
+            "held_out_chain_tokens_per_pass_walk": final["chain_tokens_per_pass_walk"],
             "curve": [*run.curve, final]} if run.ttt_steps else {}),
     }
+
+
+def _held_out_from(run: _Run, cfg: TrainConfig) -> str:
+    if not cfg.held_out_tasks:
+        return f"a random {cfg.held_out:.0%} of the windows"
+    tasks = f"HumanEval tasks 0-{len(run.eval_windows) - 1}"
+    if cfg.held_out_text == "solutions":
+        return f"{tasks}, prompt + reference solution"
+    return f"{tasks}, the target's greedy answers ({cfg.self_distill_tokens} tokens at most), scored on the answers"
 
 
 def _mean(values: list[float]) -> float:
