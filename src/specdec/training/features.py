@@ -95,10 +95,10 @@ def self_distilled(target, tokenizer, prompts: list[list[int]], max_tokens: int,
 def greedy_answers(target, tokenizer, prompts: list[list[int]], max_tokens: int, seq_len: int | None,
                    batch_size: int = 4, done_path: Path | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt tail, answer) per prompt: the target's greedy answer of at most `max_tokens` to the prompt's last
-    seq_len - max_tokens tokens (16 at least; None: the whole prompt); `batch_size` requests at a time (a pass of a few rows costs about
-    one row's on the block kernels). With `done_path`, each answer is appended there (a JSON line: its index,
-    prompt and answer) as it finishes, and those found there for the same prompt and length are not asked
-    again: an interrupted run resumes."""
+    seq_len - max_tokens tokens (16 at least; None: the whole prompt); `batch_size` requests at a time (a pass
+    of a few rows costs about one row's on the block kernels). With `done_path`, each answer is appended there
+    (a JSON line: its index, prompt and answer) as it finishes, and those found there for the same prompt and
+    length are not asked again: an interrupted run resumes."""
     from specdec.engine import Engine
 
     tails = [ids[-max(16, seq_len - max_tokens):] if seq_len else list(ids) for ids in prompts]  # a prompt's tail
