@@ -161,11 +161,19 @@ def replicas():
         serve.run(build_application(ReplicaSpec(args, loader="specdec.testing.tiny_server")), name="specdec",
                   route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            wait_until(lambda: client.get("/health").status_code == 200, "both replicas report healthy")
+            # (a loaded box can take minutes to start two replicas: a /health that times out is asked again)
+            wait_until(lambda: healthy(client), "both replicas report healthy", timeout=180)
             yield client
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def healthy(client) -> bool:
+    try:
+        return client.get("/health").status_code == 200
+    except httpx.TimeoutException:
+        return False
 
 
 def wait_until(condition, what: str, timeout: float = 60.0) -> None:
