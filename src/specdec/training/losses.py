@@ -170,10 +170,12 @@ def evaluate_chains(head, windows: list[dict], to_reduced: torch.Tensor,
                     ttt_steps: int = 0) -> tuple[list[float], float | None, float | None]:
     """`evaluate`'s top-1 per head or step, and with `ttt_steps` the tokens a chain of that many drafted tokens
     would make per target pass, teacher-forced, two ways: 1 + the mean number of leading steps agreeing with
-    the target over all positions, and as greedy decoding would visit the positions (`walk`). The walk is what
-    the engine measures when a window is the target's own greedy answer scored from the answer's first
-    drafted position (a window's "scored_from": top-1 and both figures count only positions from there);
-    over other text it is an estimate."""
+    the target over all positions, and as greedy decoding would visit the positions (`walk`). Where a window
+    is the target's own greedy answer scored from the answer's first drafted position (a window's
+    "scored_from": top-1 and both figures count only positions from there), the walk is what the engine
+    measures up to rounding (the engine's head runs in bf16): within 0.013 tokens a pass on HumanEval 0-11
+    (`benchmarks/bench_head_walk.py`), where the mean over positions was 0.17-0.19 too high, passes starting
+    after a miss, at the harder positions."""
     if isinstance(head, MedusaHeads):
         losses = medusa_losses
     else:
