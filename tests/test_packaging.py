@@ -29,7 +29,8 @@ def test_the_files_read_at_run_time_are_package_data():
     files = read_at_run_time()
     assert {"data/humaneval/HumanEval.jsonl.gz", "data/spec_bench/question.jsonl", "kernels/csrc/qmm.cpp",
             "kernels/csrc/quant/q45_k.h", "speculative/suffix_trie.cpp",
-            "data/heads/qwen2.5-coder-1.5b-instruct-medusa/model.safetensors"} <= set(map(str, files))
+            "data/heads/qwen2.5-coder-1.5b-instruct-medusa/model.safetensors",
+            "data/heads/qwen2.5-coder-1.5b-instruct-eagle3/model.safetensors"} <= set(map(str, files))
     missing = [str(f) for f in files
                if not any(len(f.parts) == len(PurePosixPath(g).parts) and f.match(g) for g in globs)]
     assert missing == []
