@@ -381,3 +381,94 @@ def test_self_distillation_resumes_from_the_answers_it_kept(tmp_path, monkeypatc
     asked.clear()
     assert self_distilled(target, ByteTokenizer(), prompts, 7, 32, batch_size=2, done_path=path) != whole
     assert len(asked) == 5  # kept for 6 tokens, asked for 7: all asked again
+
+
+class CharTokenizer:
+    """Text <-> code points (lossless), for checking what a prompt's text was."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def _parsed(source: str):
+    import ast
+
+    try:
+        return ast.parse(source).body[0]
+    except SyntaxError:
+        return None
+
+
+def test_function_prompts_are_standard_library_defs_through_their_docstrings():
+    """`function_prompts`: a public function's def line through its docstring (80 characters at least),
+    dedented, a seeded choice whose first `count` do not depend on how many are asked for."""
+    import ast
+
+    from specdec.training.features import function_prompts
+
+    prompts = ["".join(map(chr, ids)) for ids in function_prompts(CharTokenizer(), 40, seed=3)]
+    assert len(prompts) == 40 and len(set(prompts)) == 40
+    for text in prompts:
+        assert text.startswith("def ") and not text.split("(")[0][4:].startswith("_"), text
+        # the def and its docstring, nothing after them: a statement at the body's indent completes it
+        indents = {line[: len(line) - len(line.lstrip())] for line in text.splitlines()[1:] if line.strip()}
+        nodes = [_parsed(text + indent + "pass\n") for indent in indents]
+        node = next(n for n in nodes if n is not None)
+        assert isinstance(node, ast.FunctionDef) and len(node.body) == 2 and isinstance(node.body[1], ast.Pass)
+        assert len(ast.get_docstring(node)) >= 80
+    assert ["".join(map(chr, ids)) for ids in function_prompts(CharTokenizer(), 10, seed=3)] == prompts[:10]
+    assert ["".join(map(chr, ids)) for ids in function_prompts(CharTokenizer(), 10, seed=4)] != prompts[:10]
+
+
+def test_the_targets_answers_to_library_functions_grow_in_stages_after_the_other_windows(tmp_path):
+    """--distill-functions N: the target's greedy answers to N of `function_prompts` are windows after the
+    others; a later run asking more answers only the new prompts and adds their shards after the existing
+    ones, which stay as they were."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from specdec.config import SamplingParams
+    from specdec.engine import Engine
+    from specdec.training.features import function_prompts
+
+    target = tiny_model("qwen2", dtype=torch.bfloat16)
+    cfg = TrainConfig(method="eagle", out=tmp_path / "a", features=tmp_path / "features", corpus_tokens=256,
+                      self_distill_prompts=0, seq_len=48, vocab_size=64, epochs=1, batch_size=2,
+                      distill_functions=2, self_distill_tokens=5)
+    first = train_heads(target, ByteTokenizer(), "tiny", cfg)
+    assert first["data_tokens"]["stdlib_functions"] == 2 * 48
+    shards = sorted((tmp_path / "features").glob("shard_*.safetensors"))
+    before = {p.name: p.read_bytes() for p in shards}
+    second = train_heads(target, ByteTokenizer(), "tiny", dataclasses.replace(cfg, out=tmp_path / "b", distill_functions=4))
+    assert second["data_tokens"] == {**first["data_tokens"], "stdlib_functions": 4 * 48}
+    after = sorted((tmp_path / "features").glob("shard_*.safetensors"))
+    assert len(after) == len(shards) + 2 and all(before[p.name] == p.read_bytes() for p in shards)
+    answers = (tmp_path / "features" / "distill_functions.jsonl").read_text().splitlines()
+    assert len(answers) == 4  # the first two were not asked again
+    engine = Engine(target, ByteTokenizer(), max_model_len=1024)
+    for i, (prompt, path) in enumerate(zip(function_prompts(ByteTokenizer(), 4, seed=0), after[-4:])):
+        tail = prompt[-(48 - 5):]
+        engine.add_request(str(i), tail, SamplingParams(temperature=0, max_tokens=5))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                pass
+        assert load_file(str(path))["tokens"].tolist() == (tail + out.token_ids)[-48:]
+
+
+def test_an_eagle3_head_continues_from_an_eagle3_head_over_the_same_layers(tmp_path):
+    """--init-from an EAGLE-3 head: training starts from all of it; one over other layers is refused."""
+    from specdec.training.train import _eagle_start
+
+    target = tiny_model("qwen2", seed=0)
+    trained = eagle3_head(target, steps_seed=7)
+    trained.vocab_ids = torch.arange(5, 69)
+    save_heads(trained, tmp_path / "eagle3")
+    head = eagle3_head(target, steps_seed=8)
+    head.init_from_eagle(_eagle_start(tmp_path / "eagle3", target, (0,)))
+    assert torch.equal(head.vocab_ids, trained.vocab_ids)
+    theirs = trained.state_dict()
+    for name, value in head.state_dict().items():
+        assert torch.equal(value, theirs[name].to(value.dtype)), name
+    with pytest.raises(ValueError, match="nor an EAGLE-3 head over layers 1"):
+        _eagle_start(tmp_path / "eagle3", target, (1,))

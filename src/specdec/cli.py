@@ -94,6 +94,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         eagle_cls_weight=args.cls_weight, feature_layers=tuple(args.feature_layers), ttt_steps=args.ttt_steps,
         curve_every=args.curve_every, solutions=args.solutions, distill_batch_size=args.distill_batch_size,
+        distill_functions=args.distill_functions,
         held_out_tasks=args.held_out_tasks, held_out_text=args.held_out_text,
         init_from=Path(resolve_heads(args.init_from)) if args.init_from else None, threads=args.threads,
         data_dir=Path(args.data_dir) if args.data_dir else DATA_DIR,
@@ -168,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--distill-batch-size", type=int, default=4, help="self-distillation requests at a time")
     heads.add_argument("--solutions", type=int, default=0,
                        help="HumanEval training-split tasks (prompt + reference solution) added as windows")
+    heads.add_argument("--distill-functions", type=int, default=0,
+                       help="the target's own answers (--self-distill-tokens each) to N standard-library "
+                            "functions' def line and docstring, added as windows after the others (a rerun "
+                            "with a larger N adds the rest)")
     heads.add_argument("--held-out-tasks", type=int, default=0,
                        help="held-out windows: HumanEval eval-split tasks 0..N-1 (prompt + reference solution), "
                             "which no run trains on, and every window trains (default: a random 8%% of them)")
@@ -175,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --held-out-tasks: the tasks' reference solutions, or the target's own greedy "
                             "answers to their prompts (--self-distill-tokens each), where the report's walk "
                             "figure is the tokens per pass greedy decoding makes")
-    heads.add_argument("--init-from", help="EAGLE-3: start from these EAGLE heads (a folder or shipped name)")
+    heads.add_argument("--init-from", help="EAGLE-3: start from these EAGLE heads, EAGLE-1 or EAGLE-3 over the same "
+                                           "--feature-layers (a folder or shipped name)")
     heads.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     heads.add_argument("--data-dir", help="the prompt sets (default: the ones shipped in specdec/data)")
     add_weight_arguments(heads)

@@ -217,9 +217,16 @@ class EagleHead(_Head):
     def init_from_eagle(self, other: "EagleHead") -> None:
         """Start from a trained EAGLE-1 head of the same shape: its layer, fc, norm and vocabulary, and a
         fusion that passes the final hidden state through (the layers' parts weighted 0), so that the new
-        head starts out computing exactly what `other` computes."""
-        state = {k: v for k, v in other.state_dict().items() if not k.startswith(("fuse.", "feature_norms."))}
+        head starts out computing exactly what `other` computes. An EAGLE-3 head over the same layers is
+        taken whole."""
         self.vocab_ids = other.vocab_ids.clone()
+        if other.config.feature_layers:
+            if other.config.feature_layers != self.config.feature_layers:
+                raise ValueError(f"an EAGLE-3 head over layers {other.config.feature_layers} cannot start one "
+                                 f"over {self.config.feature_layers}")
+            self.load_state_dict(other.state_dict())
+            return
+        state = {k: v for k, v in other.state_dict().items() if not k.startswith(("fuse.", "feature_norms."))}
         self.load_state_dict(state, strict=False)
         H = self.config.hidden_size
         with torch.no_grad():

@@ -9,10 +9,12 @@ features (final hidden states) and the target's greedy next token at every posit
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import random
 import sysconfig
+import textwrap
 from pathlib import Path
 
 import torch
@@ -63,12 +65,41 @@ def solution_windows(data_dir: Path, tokenizer, count: int, seq_len: int, split:
     return [tokenizer.encode(t["prompt"] + t["canonical_solution"])[-seq_len:] for t in tasks]
 
 
+def _stdlib_files() -> list[Path]:
+    """The standard library's .py files, tests and site-packages excluded, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0].lower()
+                  and "site-packages" not in p.parts)
+
+
+def function_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
+    """Prompts in HumanEval's form from the standard library: a public function's (or a public class's public
+    method's, dedented) `def` line through its docstring (80 characters at least, a body after it), for the
+    target to complete (`self_distilled`); the first `count` in a seeded order."""
+    prompts = []
+    for path in _stdlib_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")):
+            nodes += [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+        for node in nodes:
+            doc = ast.get_docstring(node)
+            if node.name.startswith("_") or not doc or len(doc) < 80 or len(node.body) < 2:
+                continue
+            prompts.append(textwrap.dedent("".join(lines[node.lineno - 1:node.body[0].end_lineno])))
+    random.Random(seed).shuffle(prompts)
+    return [tokenizer.encode(text) for text in prompts[:count]]
+
+
 def stdlib_windows(tokenizer, total_tokens: int, seq_len: int, seed: int) -> list[list[int]]:
     """Windows of `seq_len` tokens from the standard library's .py files (tests excluded), seeded order,
     at most two windows a file."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0].lower()
-                   and "site-packages" not in p.parts)
+    files = _stdlib_files()
     random.Random(seed).shuffle(files)
     windows, n = [], 0
     for path in files:

@@ -29,7 +29,7 @@ from specdec.heads.modules import (EagleHead, HeadsConfig, HeadsMismatchError, M
                                    save_heads, target_fingerprint)
 from specdec.training.features import (
     choose_vocab, collate, extract_features, greedy_answers, humaneval_tasks, load_windows, prompt_split,
-    self_distilled, solution_windows, stdlib_windows, tokens_by_source,
+    function_prompts, self_distilled, solution_windows, stdlib_windows, tokens_by_source,
 )
 from specdec.training.losses import eagle_losses, evaluate_chains, medusa_losses, ttt_losses
 
@@ -69,7 +69,12 @@ class TrainConfig:
     curve_every: int = 0  # held-out top-1 every this many steps (the report's `curve`); 0: at the end only
     distill_batch_size: int = 4
     solutions: int = 0  # HumanEval training-split tasks whose prompt + reference solution are windows
-    init_from: Path | None = None  # EAGLE-3: start from these trained EAGLE-1 heads (`EagleHead.init_from_eagle`)
+    # the target's own answers (self_distill_tokens each) to this many standard-library functions' def line and
+    # docstring (`function_prompts`); a later run asking more adds the rest after the windows it has
+    distill_functions: int = 0
+    # EAGLE-3: start from these trained heads, EAGLE-1 (grown, `EagleHead.init_from_eagle`) or EAGLE-3 over the
+    # same feature layers (continued with a new optimizer and schedule)
+    init_from: Path | None = None
     threads: int = 0  # torch's intra-op threads while training (0: leave torch's setting)
     seed: int = 0
     data_dir: Path = DATA_DIR  # the prompt sets shipped with specdec (package data)
@@ -114,10 +119,13 @@ def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list
     """The windows to train on by source, {"self_distill": [...], "stdlib": [...]}: the target's answers to
     the data's training split (or to cfg.prompts), and standard-library sources. Kept in
     features/windows.json, so that a rerun reads the same ones (and the target's answers, as they finish, in
-    features/self_distill.jsonl, so that an interrupted run does not ask them again)."""
+    features/self_distill.jsonl, so that an interrupted run does not ask them again). The target's answers
+    to standard-library functions ("stdlib_functions", `cfg.distill_functions`) come last and grow in
+    stages: a run asking more than the manifest holds adds the rest after them, so every shard keeps its
+    window."""
     manifest = cfg.features_dir / "windows.json"
     if manifest.exists():
-        return json.loads(manifest.read_text())
+        return _more_functions(target, tokenizer, cfg, json.loads(manifest.read_text()))
     if cfg.prompts is not None:
         prompts = [list(p) for p in cfg.prompts][: cfg.self_distill_prompts]
     elif cfg.self_distill_prompts:
@@ -131,6 +139,21 @@ def training_windows(target, tokenizer, cfg: TrainConfig) -> dict[str, list[list
     if cfg.solutions:
         windows["humaneval_solutions"] = solution_windows(cfg.data_dir, tokenizer, cfg.solutions, cfg.seq_len)
     manifest.write_text(json.dumps(windows))
+    return _more_functions(target, tokenizer, cfg, windows)
+
+
+def _more_functions(target, tokenizer, cfg: TrainConfig, windows: dict[str, list[list[int]]]) -> dict:
+    """`windows` with its "stdlib_functions" grown to cfg.distill_functions (last among the sources; never
+    shrunk: the manifest's windows stay), the manifest rewritten when it grew."""
+    have = len(windows.get("stdlib_functions", []))
+    if cfg.distill_functions <= have:
+        return windows
+    prompts = function_prompts(tokenizer, cfg.distill_functions, cfg.seed)
+    answers = self_distilled(target, tokenizer, prompts, cfg.self_distill_tokens, cfg.seq_len,
+                             cfg.distill_batch_size, cfg.features_dir / "distill_functions.jsonl")
+    windows = {k: v for k, v in windows.items() if k != "stdlib_functions"}
+    windows["stdlib_functions"] = answers
+    (cfg.features_dir / "windows.json").write_text(json.dumps(windows))
     return windows
 
 
@@ -182,7 +205,7 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_
     order = list(range(len(windows)))
     random.Random(cfg.seed).shuffle(order)
     n_eval = 0 if held_out else max(1, int(len(windows) * cfg.held_out))
-    start = _eagle_start(cfg.init_from, target) if cfg.init_from else None
+    start = _eagle_start(cfg.init_from, target, cfg.feature_layers) if cfg.init_from else None
     vocab_ids = start.vocab_ids if start is not None else \
         choose_vocab([shards[i] for i in order[n_eval:]], cfg.vocab_size, target.config.vocab_size)
     head = _trainable_heads(target, target_name, cfg, vocab_ids)
@@ -199,11 +222,13 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_
                 ttt_steps=cfg.ttt_steps if cfg.method == "eagle" and cfg.feature_layers else 0)
 
 
-def _eagle_start(folder: Path, target) -> EagleHead:
-    """The trained EAGLE-1 head in `folder` as saved (float32, not attached), for `EagleHead.init_from_eagle`."""
+def _eagle_start(folder: Path, target, feature_layers: tuple[int, ...] = ()) -> EagleHead:
+    """The trained EAGLE head in `folder` as saved (float32, not attached), for `EagleHead.init_from_eagle`:
+    an EAGLE-1 head, or an EAGLE-3 head over `feature_layers`."""
     config = read_heads_config(folder)
-    if config.method != "eagle" or config.feature_layers:
-        raise ValueError(f"{folder} holds no EAGLE-1 head to start from")
+    if config.method != "eagle" or config.feature_layers not in ((), tuple(feature_layers)):
+        raise ValueError(f"{folder} holds no EAGLE-1 head, nor an EAGLE-3 head over layers "
+                         f"{', '.join(map(str, feature_layers))}, to start from")
     if config.target_fingerprint != target_fingerprint(target):
         raise HeadsMismatchError(f"the heads in {folder} were trained for another target ({config.target!r})")
     head = EagleHead(config)
