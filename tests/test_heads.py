@@ -458,6 +458,8 @@ def test_the_targets_answers_to_library_functions_grow_in_stages_after_the_other
 
 def test_an_eagle3_head_continues_from_an_eagle3_head_over_the_same_layers(tmp_path):
     """--init-from an EAGLE-3 head: training starts from all of it; one over other layers is refused."""
+    from safetensors.torch import load_file
+
     from specdec.training.train import _eagle_start
 
     target = tiny_model("qwen2", seed=0)
@@ -467,8 +469,9 @@ def test_an_eagle3_head_continues_from_an_eagle3_head_over_the_same_layers(tmp_p
     head = eagle3_head(target, steps_seed=8)
     head.init_from_eagle(_eagle_start(tmp_path / "eagle3", target, (0,)))
     assert torch.equal(head.vocab_ids, trained.vocab_ids)
-    theirs = trained.state_dict()
+    saved = load_file(str(tmp_path / "eagle3" / "model.safetensors"))  # (as stored)
     for name, value in head.state_dict().items():
-        assert torch.equal(value, theirs[name].to(value.dtype)), name
+        assert torch.equal(value, saved[name].to(value.dtype)), name
+    assert not torch.equal(head.fc.weight, eagle3_head(target, steps_seed=8).fc.weight)
     with pytest.raises(ValueError, match="nor an EAGLE-3 head over layers 1"):
         _eagle_start(tmp_path / "eagle3", target, (1,))

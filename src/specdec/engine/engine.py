@@ -339,6 +339,7 @@ class Engine:
                 self._fed[0] += fed
                 self._fed[1] += seconds
                 self.controller.costs.record_pass(fed, seconds)
+                return None  # it joins in the next step, as a riding prompt does, once `victim` saw the pools
             budget -= fed
             if self.cache.lengths[seq.row] < len(seq.tokens) - 1:
                 return  # the budget is spent
