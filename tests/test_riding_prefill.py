@@ -32,13 +32,34 @@ def riding_steps(engine: Engine) -> list[int]:
     return steps
 
 
+def fed_while_decoding(engine: Engine) -> list[int]:
+    """Record the prompt tokens each pass of their own reads in a step that others decode in (not those of
+    prompts fed together while none decode); returns the list."""
+    fed, feed, prefill, decoding = [], engine.prefill.feed, engine._prefill, [False]
+
+    def spy(target, seq, budget, batch):
+        n = feed(target, seq, budget, batch)
+        if decoding[0]:
+            fed.append(n)
+        return n
+
+    def step_prefill():
+        decoding[0] = bool(engine.running)
+        return prefill()
+
+    engine.prefill.feed, engine._prefill = spy, step_prefill
+    return fed
+
+
+@pytest.mark.parametrize("way", ["ride", "own pass"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("budget", [1, 7])
 @pytest.mark.parametrize("kind", KINDS)
-def test_riding_prompts_give_the_outputs_of_prompts_fed_on_their_own(kind, budget, sampled):
+def test_riding_prompts_give_the_outputs_of_prompts_fed_on_their_own(kind, budget, sampled, way):
     """SHORT decodes (80 tokens) while LONG (60 tokens to read) joins: LONG's prompt rides `budget` tokens a
-    step in SHORT's pass (a tree pass for "eagle tree"), then both decode together; then a third request joins
-    while they run. Outputs equal an engine that feeds every prompt in a chunk of its own."""
+    step in SHORT's pass (a tree pass for "eagle tree"), or is read `budget` tokens a step in a pass of its
+    own before SHORT's (where riding does not pay, `ride_pays`), then both decode together; then a third
+    request joins while they run. Outputs equal an engine that feeds every prompt in a chunk of its own."""
     longer = SamplingParams(temperature=0.9 if sampled else 0, top_k=40, max_tokens=80, ignore_eos=True, seed=1)
     requests = [("short", SHORT, longer), ("long", LONG, params(sampled, 2)),
                 ("third", SHORT[:5] + LONG[:20], params(sampled, 3))]
@@ -46,11 +67,38 @@ def test_riding_prompts_give_the_outputs_of_prompts_fed_on_their_own(kind, budge
     fed_alone = run(make_engine(kind, chunk=64, batch=3, prefill_itl_factor=None), requests, join_at=join_at)
     engine = make_engine(kind, chunk=64, batch=3)
     engine.chunk_budget.tokens = lambda batch_size: budget
-    steps = riding_steps(engine)
+    engine._ride_pays = lambda tokens: way == "ride"
+    steps, fed = riding_steps(engine), fed_while_decoding(engine)
     riding = run(engine, requests, join_at=join_at)
     assert {r: o.token_ids for r, o in riding.items()} == {r: o.token_ids for r, o in fed_alone.items()}
-    assert len(steps) >= 5 and max(steps) <= budget  # the rows rode, as many a step as the budget allowed
+    read = steps if way == "ride" else fed
+    assert len(read) >= 5 and max(read) <= budget  # as many tokens a step as the budget allowed
+    if way == "own pass":
+        assert steps == []
     assert all(length == 0 for length in engine.cache.lengths)
+
+
+def test_a_prompt_rides_where_padding_the_running_rows_costs_less_than_a_pass_of_its_own():
+    """`ride_pays` on measured pass costs a + b x rows: riding pays while b x B x (tokens - 1) <= a."""
+    from specdec.engine.prefill import ride_pays
+    from specdec.speculative.costs import CostModel
+
+    assert ride_pays(CostModel(), 6, 8)  # nothing measured: ride
+    zen1 = CostModel()  # a = 50 ms, b = 53 ms a row
+    for rows in (1, 2, 6, 12):
+        zen1.record_verify(rows, 0.050 + 0.053 * rows)
+    assert ride_pays(zen1, 6, 1) and not ride_pays(zen1, 6, 2) and not ride_pays(zen1, 1, 3)
+    cheap_rows = CostModel()  # a = 45 ms, b = 4.5 ms
+    for rows in (1, 2, 4):
+        cheap_rows.record_verify(rows, 0.045 + 0.0045 * rows)
+    assert ride_pays(cheap_rows, 1, 11) and not ride_pays(cheap_rows, 1, 12)
+    assert ride_pays(cheap_rows, 6, 2) and not ride_pays(cheap_rows, 6, 3)
+    # passes of one width only: a line from the passes that prompts rode in or were read in (`record_pass`)
+    batch = CostModel()
+    batch.record_verify(6, 0.050 + 0.053 * 6)
+    for rows in (8, 14, 20):
+        batch.record_pass(rows, 0.050 + 0.053 * rows)
+    assert batch.pass_time(12) == pytest.approx(0.050 + 0.053 * 12) and not ride_pays(batch, 6, 2)
 
 
 def test_a_request_for_prompt_logprobs_is_fed_on_its_own():
@@ -83,6 +131,7 @@ def test_the_budget_keeps_a_step_within_the_factor_of_a_decode_step():
 
     engine = Engine(Timed(), FakeTokenizer(), None, 0, max_model_len=MAX_LEN, max_batch_size=2,
                     clock=lambda: now[0])
+    engine._ride_pays = lambda tokens: True  # (pads cost nothing here: this model's passes cost by prompt rows)
     steps = riding_steps(engine)
     step_times, last = [], [0.0]
 

@@ -41,7 +41,7 @@ from specdec.engine import verification
 from specdec.engine.metrics import SpecMetrics
 from specdec.engine.output_text import OutputText
 from specdec.engine.outputs import RequestOutput
-from specdec.engine.prefill import ChunkBudget, Prefill
+from specdec.engine.prefill import ChunkBudget, Prefill, ride_pays
 from specdec.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence, request_grammar
@@ -106,6 +106,7 @@ class Engine:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk  # prompt tokens fed per step, at most
         self.chunk_budget = ChunkBudget(prefill_itl_factor, prefill_chunk) if prefill_itl_factor else None
+        self._fed = [0, 0.0]  # (`step`)
         if controller is None:
             controller = SpeculationController.for_proposer(self.proposer, num_speculative_tokens, adaptive,
                                                             disable_by_batch_size, clock)
@@ -205,6 +206,7 @@ class Engine:
         outputs = self._drop_aborted()
         while (seq := self.scheduler.victim()) is not None:  # the batch outgrew the pools: the newest steps out
             self._preempt(seq)
+        self._fed = [0, 0.0]  # prompt tokens read in a pass of their own while others decode, and its seconds
         riding = self._prefill()
         if self.running:
             outputs += self._decode(self.running, riding)
@@ -244,13 +246,15 @@ class Engine:
         times = ((t1 - t0) / len(seqs), (t2 - t1) / len(seqs))
         emitted = [self._isolated(seqs[b], self._emit, seqs[b], drafts[b], *judged[b], times) for b in live]
         done = [b for b, out in zip(live, emitted) if out is not None]
-        if self.chunk_budget is not None:
-            self.chunk_budget.record(len(seqs), self._now() - t0, read)
+        if self.chunk_budget is not None:  # (a prompt read in a pass of its own counts as if it rode)
+            self.chunk_budget.record(len(seqs), self._now() - t0 + self._fed[1], read + self._fed[0])
         self.controller.report(StepReport(
             batch_size=len(seqs), k=max(ks), forward_seconds=proposal.forward_seconds,
             rows=len(seqs) * (1 + max(len(d.tokens) for d in drafts)), verify_seconds=None if read else t2 - t1,
             outcomes=[(seqs[b].estimate, drafts[b].depth, judged[b][0].num_accepted) for b in done],
-            kinds=[(seqs[b].estimate, drafts[b].kinds, judged[b][0].num_accepted) for b in done if drafts[b].kinds]))
+            kinds=[(seqs[b].estimate, drafts[b].kinds, judged[b][0].num_accepted) for b in done if drafts[b].kinds],
+            # (the rows it computed: the running ones padded to the prompt's chunk, and the prompt's)
+            ride=((len(seqs) + 1) * max(read, 1 + max(len(d.tokens) for d in drafts)), t2 - t1) if read else None))
         return [out for out in emitted if out is not None]
 
     def _judge(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor
@@ -295,9 +299,10 @@ class Engine:
         """Feed joining sequences up to `prefill_chunk` prompt tokens in all (see `Prefill`), so that a long
         prompt delays the running sequences' step by one chunk at most. Once all its prompt tokens but the
         last are in the cache a sequence joins the batch (and decodes in this step), and the next waiting one
-        takes the rest of the budget. While sequences run (with `chunk_budget`), the joining one's next tokens
-        are instead returned, to ride in their verification pass (read by `_rode`); prompts that arrive
-        together while none decode are still fed together, and start decoding in the same step.
+        takes the rest of the budget. While sequences run (with `chunk_budget`), the joining one reads only as
+        many tokens as the budget allows, and they are returned to ride in the running ones' verification pass
+        (read by `_rode`) where that costs less than a pass of their own before it (`_ride_pays`); prompts
+        that arrive together while none decode are still fed together, and start decoding in the same step.
 
         Example, prefill_chunk 4, prompts of 10 and 3 tokens waiting (9 and 2 to feed): step 1 feeds tokens
         0..3 of the first, step 2 tokens 4..7, step 3 token 8 (the first joins) and tokens 0..1 of the second
@@ -318,19 +323,32 @@ class Engine:
             if decoding and self.chunk_budget is not None:  # (room: the running rows are padded as wide)
                 room = self.cache.capacity - max(self.cache.lengths[s.row] for s in self.running)
                 most = min(budget, room, self.chunk_budget.tokens(len(self.running)))
-                rows = prefill.rides(seq, self.scheduler.widest_ride(most, self.widest + 1))
-                if rows is not None:
-                    return Riding(seq, rows, batch)
+                if self._ride_pays(most):
+                    rows = prefill.rides(seq, self.scheduler.widest_ride(most, self.widest + 1))
+                    if rows is not None:
+                        return Riding(seq, rows, batch)
+                elif not seq.wants_prompt_logprobs:  # (those are fed a chunk at a time, as ever)
+                    budget = min(budget, most)
+            t0 = self._now()
             fed = self._isolated(seq, prefill.feed, self.target, seq, budget, batch)
             if fed is None:
                 self._release(seq)
                 continue
+            if decoding and fed:
+                seconds = self._now() - t0
+                self._fed[0] += fed
+                self._fed[1] += seconds
+                self.controller.costs.record_pass(fed, seconds)
             budget -= fed
             if self.cache.lengths[seq.row] < len(seq.tokens) - 1:
                 return  # the budget is spent
             self.scheduler.join(seq)
             if prefill.caches_prefix(seq):  # sequences joining later may share its prompt already
                 prefill.save(seq)
+
+    def _ride_pays(self, tokens: int) -> bool:
+        """`prefill.ride_pays` for the running batch, on the controller's measured costs."""
+        return ride_pays(self.controller.costs, len(self.running), tokens)
 
     def _rode(self, riding: Riding) -> None:
         """Commit the prompt rows that rode in this step's pass (`_prefill`); the sequence joins once they

@@ -276,6 +276,8 @@ class StepReport:
     outcomes: list[tuple[AcceptanceEstimate, int, int]]  # each judged sequence: (its estimate, depth, accepted)
     # each judged labelled draft: (its sequence's estimate, its kinds, accepted)
     kinds: list[tuple[AcceptanceEstimate, list[int], int]] = field(default_factory=list)
+    # a pass that a joining prompt's rows rode in: (all its rows, seconds) (`CostModel.record_pass`)
+    ride: tuple[int, float] | None = None
 
 
 class SpeculationController:
@@ -372,6 +374,8 @@ class SpeculationController:
             self._draft_warm.add(step.batch_size)
         if step.verify_seconds is not None:
             self.costs.record_verify(step.rows, step.verify_seconds)
+        if step.ride is not None:
+            self.costs.record_pass(*step.ride)
         for estimate, depth, accepted in step.outcomes:
             estimate.update(depth, accepted, self.decay)
             self.acceptance.update(depth, accepted, self.decay)

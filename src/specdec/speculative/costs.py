@@ -121,20 +121,21 @@ class CostModel:
         self.verify: dict[int, float] = {}  # rows in the target pass -> seconds
         self.prefill: dict[str, float] = {}  # "target" / "draft" -> seconds per prompt token
         self.verify_fit = LineFit()  # every target pass, for `pass_time`
-        self.band = 0  # the depth band `verify` and `verify_fit` hold (`at`)
-        self._bands: dict[int, tuple[dict[int, float], LineFit]] = {}  # the other bands' tables
+        self.ride_fit = LineFit()  # passes a joining prompt's rows rode in, by all their rows (`record_pass`)
+        self.band = 0  # the depth band `verify`, `verify_fit` and `ride_fit` hold (`at`)
+        self._bands: dict[int, tuple[dict[int, float], LineFit, LineFit]] = {}  # the other bands' tables
 
     def at(self, context: int) -> None:
         """The mean context tokens per sequence of the step about to be costed and recorded."""
         band = bisect_right(DEPTH_BANDS, context)
         if band != self.band:
-            self._bands[self.band] = (self.verify, self.verify_fit)
-            self.verify, self.verify_fit = self._bands.pop(band, None) or ({}, LineFit())
+            self._bands[self.band] = (self.verify, self.verify_fit, self.ride_fit)
+            self.verify, self.verify_fit, self.ride_fit = self._bands.pop(band, None) or ({}, LineFit(), LineFit())
             self.band = band
 
-    def _shape(self) -> tuple[dict[int, float], LineFit] | None:
+    def _shape(self) -> tuple[dict[int, float], LineFit, LineFit] | None:
         """The tables of the band nearest this one that has passes of two widths or more (None: no such band)."""
-        shaped = [b for b, (table, _) in self._bands.items() if len(table) >= 2]
+        shaped = [b for b, (table, _, _) in self._bands.items() if len(table) >= 2]
         if not shaped:
             return None
         return self._bands[min(shaped, key=lambda b: (abs(b - self.band), b))]
@@ -149,6 +150,15 @@ class CostModel:
     def record_verify(self, rows: int, seconds: float) -> None:
         self._update(self.verify, rows, seconds)
         self.verify_fit.add(rows, seconds)
+
+    def record_pass(self, rows: int, seconds: float) -> None:
+        """A target pass of `rows` rows in all, a joining prompt's among them (not a measure of the decoding
+        rows alone: `verify` keeps none of it). While the passes of decoding alone have no line yet
+        (`pass_time`), these give one: a batch whose prompts join one after another may decode for dozens of
+        steps with a prompt's rows in every pass, and its drafts must be cut by what rows cost meanwhile
+        (seen: a single 24-row pass, scaled by `prior_slope`, put 12 rows at 1.2x 6 rows on a CPU where they
+        took 1.86x, and Medusa drafts accepted 35% of the time widened every pass of that phase)."""
+        self.ride_fit.add(rows, seconds)
 
     def _estimate(self, table: dict[int, float], key: int) -> float | None:
         """The cost at size `key`, never above what a larger size was measured to cost: a stale slow
@@ -204,7 +214,9 @@ class CostModel:
         return seconds * self._estimate(shape[0], rows) / self._estimate(shape[0], width)
 
     def pass_time(self, rows: int) -> float | None:
-        """A target pass of `rows` rows on the line fitted to every pass of this depth (`LineFit`), else
-        `verify_time`."""
+        """A target pass of `rows` rows on the line fitted to every pass of this depth (`LineFit`), else on
+        the line of the passes that a prompt rode in (`record_pass`), else `verify_time`."""
         fitted = self.verify_fit.time(rows)
+        if fitted is None:
+            fitted = self.ride_fit.time(rows)
         return self.verify_time(rows) if fitted is None else fitted
