@@ -196,27 +196,34 @@ def test_a_second_chat_turn_from_the_prefix_cache_is_bit_exact(pair):
     assert hit.token_ids == cold.token_ids and hit.metrics.num_drafts > 0
 
 
+@pytest.mark.parametrize("way", ["ride", "own pass"])
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft model"])
-def test_a_prompt_read_inside_another_sequences_passes_is_bit_exact(pair, plain_outputs, speculative):
+def test_a_prompt_read_inside_another_sequences_passes_is_bit_exact(pair, plain_outputs, speculative, way):
     """Prompt 0 decodes while prompt 1 joins: prompt 1's tokens ride 7 at a time in prompt 0's passes (rows of
     unequal lengths on the block kernels; with the draft model, verification passes of K + 1 rows padded to
-    the prompt's 7). Both outputs equal plain decoding's of each alone."""
+    the prompt's 7), or are read 7 at a time in passes of their own between prompt 0's (`prefill.ride_pays`
+    chooses; pinned here). Both outputs equal plain decoding's of each alone."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     ids = prompts(pair.tokenizer)[:2]
     proposer = DraftModelProposer(pair.draft_model, 2, 1024) if speculative else None
     engine = Engine(pair.target, pair.tokenizer, proposer, 5 if speculative else 0, max_model_len=1024,
                     max_batch_size=2)
     engine.chunk_budget.tokens = lambda batch_size: 7
+    engine._ride_pays = lambda tokens: way == "ride"
     rode, read = [], engine._rode
     engine._rode = lambda riding: (rode.append(len(riding.rows.tokens)), read(riding))
     engine.add_request("0", ids[0], params)
-    finals, added = {}, False
+    finals, added, own = {}, False, []
     while engine.has_unfinished_requests():
         if not added and engine.running and engine.running[0].num_output >= 2:
             engine.add_request("1", ids[1], params)
             added = True
         finals |= {out.request_id: out for out in engine.step() if out.finished}
-    assert len(rode) >= 5 and max(rode) == 7  # it rode (and was not fed alone)
+        own += [engine._fed[0]] if engine._fed[0] else []
+    if way == "ride":
+        assert len(rode) >= 5 and max(rode) == 7  # it rode (and was not fed alone)
+    else:  # read 7 at a time in passes of its own beside prompt 0's (the rest at once if prompt 0 ends first)
+        assert rode == [] and len(own) >= 5 and max(own) == 7
     assert [finals["0"].token_ids, finals["1"].token_ids] == plain_outputs[:2]
 
 

@@ -11,7 +11,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from fakes import FakeTokenizer, one_intra_op_thread, varied_model
+from fakes import FakeTokenizer, one_intra_op_thread, step_clock, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.heads.modules import load_heads
@@ -72,7 +72,7 @@ def trained(tmp_path_factory):
 
 
 def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_size: int = 1,
-                max_len: int = MAX_LEN, adaptive: bool = False) -> Engine:
+                max_len: int = MAX_LEN, adaptive: bool = False, clock=None) -> Engine:
     model = target(dtype_name)
     head = load_heads(trained(method), model, method.removesuffix("3"))
     if isinstance(tree, DynamicTree) or tree is None:
@@ -85,7 +85,7 @@ def make_engine(trained, method: str, dtype_name: str, k: int, tree, max_batch_s
     else:
         proposer = EagleProposer(head, vocab, max_batch_size, max_len, shape, max_depth=k)
     return Engine(model, FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=max_len,
-                  max_batch_size=max_batch_size, adaptive=adaptive)
+                  max_batch_size=max_batch_size, adaptive=adaptive, clock=clock)
 
 
 def plain(dtype_name: str, prompt, params=GREEDY, max_len: int = MAX_LEN):
@@ -136,6 +136,32 @@ def test_batched_requests_joining_late_equal_their_plain_output(trained, method)
     finals = run(engine, requests, join_at=[0, 3, 7])
     for rid, prompt, _ in requests:
         assert finals[rid].token_ids == plain("bf16", prompt)
+
+
+@pytest.mark.parametrize("tree", ["chain", "default tree"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_joining_prompts_pairs_take_no_pages_in_the_running_rows(trained, method, tree):
+    """A prompt that joins running sequences leaves its pairs pending for the head's next feed: they are fed in
+    its row alone, not with every running row padded to the prompt's width (pages that no row needs, which the
+    scheduler never counted: an EAGLE tree's pool ran out so). After every step each running row of the head's
+    cache holds at most the pages of its tokens and a draft, and both outputs equal plain decoding's."""
+    engine = make_engine(trained, method, "fp32", 3, TREES[tree], max_batch_size=2, clock=step_clock())
+    cache, widest = engine.proposer.cache, engine.widest
+    long = tuple((PROMPTS[2] * 10)[:50])
+    requests = [("short", PROMPTS[0], GREEDY), ("long", long, GREEDY)]
+    over, beside = [], []
+
+    def check(outputs):
+        over.extend(len(cache.pages[s.row]) - cache.pages_for(len(s.tokens) + widest) for s in engine.running)
+        ids = [s.request_id for s in engine.running]
+        if "long" in ids and not beside:
+            beside.append(ids)
+
+    finals = run(engine, requests, join_at=[0, 2], on_step=check)
+    assert beside == [["short", "long"]]  # it joined the short one, which was decoding
+    assert max(over) <= 0
+    for rid, prompt, _ in requests:
+        assert finals[rid].token_ids == plain("fp32", prompt)
 
 
 @pytest.mark.parametrize("tree", ["default", "dynamic tree"])

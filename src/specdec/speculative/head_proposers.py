@@ -21,7 +21,7 @@ from functools import lru_cache, partial
 
 import torch
 
-from specdec.models.kv_cache import KEY_BLOCK
+from specdec.models.kv_cache import KEY_BLOCK, KVCache
 from specdec.sampling import process_logits
 from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
@@ -352,6 +352,10 @@ class EagleProposer(_FeatureProposer):
         if [seq.row for seq in seqs] != list(range(len(seqs))):
             raise ValueError("EAGLE expects the running sequences in rows 0..B-1")
         device = self.cache.keys[0].device
+        # a prompt's pairs beside other rows are fed in its row alone: padding every row to a prompt's width
+        # would write as many slots in each, taking pages that no row needs (and that the scheduler never counted)
+        alone = {b: self._feed_row(seq) for b, seq in enumerate(seqs) if len(seqs) > 1 and
+                 seq.draft_state is not None and seq.draft_state.shape[0] > self.WIDE_FEED}
         pairs = []
         for seq in seqs:
             start = self.cache.lengths[seq.row]
@@ -360,7 +364,7 @@ class EagleProposer(_FeatureProposer):
             pairs.append((start, feats, seq.tokens[start + 1:start + 1 + m]))
         width = max(len(t) for _, _, t in pairs)
         if width == 0:
-            return [None] * len(seqs)
+            return [alone.get(b) for b in range(len(seqs))]
         B, H = len(seqs), self.head.config.hidden_size
         if B == 1:
             feats = pairs[0][1][None]  # [1, width, H]
@@ -392,21 +396,35 @@ class EagleProposer(_FeatureProposer):
             self.cache.advance(seq.row, len(t))
             seq.draft_state = None
             have_root = self.cache.lengths[seq.row] == len(seq.tokens) - 1 and self.cache.lengths[seq.row] > 0
-            roots.append(pred[b] if t and have_root else None)
+            roots.append(pred[b] if t and have_root else alone.get(b))
         return roots
 
+    def _feed_row(self, seq) -> torch.Tensor | None:
+        """Feed the pending pairs of `seq` (more than `WIDE_FEED`: a prompt's) in its row alone, as a batch of
+        one feeds them (`_feed_wide`), and commit them; returns its root (None: none yet)."""
+        start, feats = self.cache.lengths[seq.row], seq.draft_state
+        n = feats.shape[0]
+        as_tensor = partial(torch.tensor, dtype=torch.long, device=feats.device)
+        positions = as_tensor([list(range(start, start + n))])
+        pred = self._feed_wide(feats[None], as_tensor([seq.tokens[start + 1:start + 1 + n]]), positions, [n - 1],
+                               self.cache.row_view(seq.row))[0]
+        self.cache.advance(seq.row, n)
+        seq.draft_state = None
+        return pred if self.cache.lengths[seq.row] == len(seq.tokens) - 1 else None
+
     def _feed_wide(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                   last: list[int]) -> torch.Tensor:
+                   last: list[int], cache: KVCache | None = None) -> torch.Tensor:
         """The predictions [B, H] at pairs `last` of rows feats [B, T, H], tokens and positions [B, T] (pair
         t of a row in the slot of its position): every pair's K/V written alone (`EagleHead.write_kv`), then
-        one pass of the last pairs, each attending its row's pairs in slot order, as the causal pass does."""
-        B = tokens.shape[0]
-        self.head.write_kv(feats, tokens, positions, self.cache, positions)
+        one pass of the last pairs, each attending its row's pairs in slot order, as the causal pass does;
+        `cache`: the head's cache (default), or a view of one of its rows."""
+        B, cache = tokens.shape[0], self.cache if cache is None else cache
+        self.head.write_kv(feats, tokens, positions, cache, positions)
         rows = torch.arange(B, device=tokens.device)
         at = positions[rows, last][:, None]  # [B, 1]
         S = -(-(int(at.max()) + 1) // KEY_BLOCK) * KEY_BLOCK
         mask = (torch.arange(S, device=tokens.device) <= at)[:, None]  # [B, 1, S]
-        return self.head(feats[rows, last][:, None], tokens[rows, last][:, None], at, self.cache, mask, at)[:, 0]
+        return self.head(feats[rows, last][:, None], tokens[rows, last][:, None], at, cache, mask, at)[:, 0]
 
 def default_tree(depth: int) -> TreeShape:
     """A small tree for CPUs (each node costs a target row): two guesses at each depth under the
