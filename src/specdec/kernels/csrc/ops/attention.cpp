@@ -96,6 +96,29 @@ inline float exp_one(float x) {
 
 inline void exp_nonpositive(float* x, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  {  // the same operations, 16 at a time
+    const auto c = [](float v) { return _mm512_set1_ps(v); };
+    const auto mul = [](__m512 a, __m512 b) { return _mm512_mul_ps(a, b); };
+    const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x16 = _mm512_loadu_ps(x + i);
+      const __m512 v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x16, c(-87.0f), _CMP_LT_OQ), x16, c(-87.0f));
+      const __m512 r = _mm512_sub_ps(add(mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
+      __m512 f = _mm512_sub_ps(v, mul(r, c(0.693359375f)));
+      f = _mm512_sub_ps(f, mul(r, c(-2.12194440e-4f)));
+      __m512 p = c(1.9875691500e-4f);
+      p = add(mul(p, f), c(1.3981999507e-3f));
+      p = add(mul(p, f), c(8.3334519073e-3f));
+      p = add(mul(p, f), c(4.1665795894e-2f));
+      p = add(mul(p, f), c(1.6666665459e-1f));
+      p = add(mul(p, f), c(5.0000001201e-1f));
+      p = add(add(mul(p, mul(f, f)), f), c(1.0f));
+      const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(r), _mm512_set1_epi32(127)), 23);
+      _mm512_storeu_ps(x + i, mul(p, _mm512_castsi512_ps(bits)));
+    }
+  }
+#endif
 #if defined(__AVX2__)
   const auto c = [](float v) { return _mm256_set1_ps(v); };
   const auto mul = [](__m256 a, __m256 b) { return _mm256_mul_ps(a, b); };
@@ -182,6 +205,66 @@ inline void weigh_tile(const float* e, int64_t ld, const float* v, int64_t len, 
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// The same tiles on 512-bit vectors, the same operations lane for lane: in `score_tile_z` a zmm holds two
+// keys' 8 lanes (keys 2p and 2p + 1 of the tile: halves 0 and 1), each lane adding its products in the order
+// of `score_tile`, and its halves reduced by `reduce4x8`; in `weigh_tile_z` a zmm holds 16 dims. Half the
+// arithmetic instructions of the 256-bit tiles, and twice the keys (or dims) a tile: the bits do not change.
+template <int NQ, int NP>  // NQ queries x 2 * NP keys
+inline void score_tile_z(const float* q, const float* k, int64_t D, __m128 scale, float* s, int64_t ld) {
+  __m512 a[NQ * NP];
+#pragma GCC unroll 32
+  for (int x = 0; x < NQ * NP; ++x) a[x] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 kv[NP];
+#pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p)
+      kv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k + 2 * p * D + d)),
+                                 _mm256_loadu_ps(k + (2 * p + 1) * D + d), 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 x = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + i * D + d));
+#pragma GCC unroll 16
+      for (int p = 0; p < NP; ++p) a[i * NP + p] = _mm512_add_ps(a[i * NP + p], _mm512_mul_ps(x, kv[p]));
+    }
+  }
+  constexpr int NK = 2 * NP;
+  static_assert(NK % 4 == 0, "score_tile_z: whole groups of 4 keys");
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 16
+    for (int p = 0; p < NP; p += 2) {  // keys 2p .. 2p + 3 of query i
+      const __m512 u = a[i * NP + p], w = a[i * NP + p + 1];
+      const __m128 r = reduce4x8(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1), _mm512_castps512_ps256(w),
+                                 _mm512_extractf32x8_ps(w, 1));
+      _mm_storeu_ps(s + i * ld + 2 * p, _mm_mul_ps(r, scale));
+    }
+}
+
+template <int NQ, int NV>  // NQ queries x NV * 16 dims
+inline void weigh_tile_z(const float* e, int64_t ld, const float* v, int64_t len, int64_t D, float* acc,
+                         int64_t stride) {
+  __m512 a[NQ * NV];
+#pragma GCC unroll 32
+  for (int x = 0; x < NQ * NV; ++x) a[x] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    __m512 vv[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(v + j * D + 16 * c);
+#pragma GCC unroll 16
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 p = _mm512_set1_ps(e[i * ld + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a[i * NV + c] = _mm512_add_ps(a[i * NV + c], _mm512_mul_ps(p, vv[c]));
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + i * stride + 16 * c, a[i * NV + c]);
+}
+#endif
+
 // s[i * ld + j] = dot(q_i, k_j) * scale for `nq` query vectors q [nq, D] and `len` keys k [len, D].
 void score_block(const float* q, int64_t nq, const float* k, int64_t len, int64_t D, float scale, float* s,
                  int64_t ld) {
@@ -195,16 +278,25 @@ void score_block(const float* q, int64_t nq, const float* k, int64_t len, int64_
     const __m128 sc = _mm_set1_ps(scale);
     for (; i + 6 <= nq; i += 6) {  // the real target's 6 query heads of a K/V head
       int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+      for (; j + 8 <= len; j += 8) score_tile_z<6, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+#endif
       for (; j + 2 <= len; j += 2) score_tile<6, 2>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
       tail(i, i + 6, j);
     }
     for (; i + 2 <= nq; i += 2) {
       int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+      for (; j + 8 <= len; j += 8) score_tile_z<2, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+#endif
       for (; j + 4 <= len; j += 4) score_tile<2, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
       tail(i, i + 2, j);
     }
     for (; i < nq; ++i) {
       int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+      for (; j + 8 <= len; j += 8) score_tile_z<1, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
+#endif
       for (; j + 4 <= len; j += 4) score_tile<1, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
       tail(i, i + 1, j);
     }
@@ -217,6 +309,16 @@ void score_block(const float* q, int64_t nq, const float* k, int64_t len, int64_
 void weigh_block(const float* e, int64_t ld, int64_t nq, const float* v, int64_t len, int64_t D, float* acc,
                  int64_t stride) {
   int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (D % 64 == 0) {
+    for (; i + 6 <= nq; i += 6)
+      for (int64_t d = 0; d < D; d += 64) weigh_tile_z<6, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+    for (; i + 2 <= nq; i += 2)
+      for (int64_t d = 0; d < D; d += 64) weigh_tile_z<2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+    for (; i < nq; ++i)
+      for (int64_t d = 0; d < D; d += 64) weigh_tile_z<1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+  }
+#endif
 #if defined(__AVX2__)
   if (D % 16 == 0)
     for (; i + 6 <= nq; i += 6)
@@ -371,15 +473,31 @@ void run_blocks(const Call<T>& a, const Item& it, int64_t c0, int64_t c1, Scratc
     });
     for (int64_t r = 0; r < it.rows(); ++r) {
       const int64_t len = std::min(kBlock, it.n(r) - c * kBlock);
-      for (int64_t h = 0; len > 0 && h < G; ++h) {
-        float* e = s.scores.data() + (r * G + h) * kBlock;
-        float m = e[0], sum = 0.f;
-        for (int64_t j = 1; j < len; ++j) m = std::max(m, e[j]);
-        for (int64_t j = 0; j < len; ++j) e[j] -= m;
-        exp_nonpositive(e, len);
-        for (int64_t j = 0; j < len; ++j) sum += e[j];
-        s.part[(r * G + h) * D2 + D] = sum;
-        s.part[(r * G + h) * D2 + D + 1] = m;
+      if (len <= 0) continue;
+      float* e0 = s.scores.data() + r * G * kBlock;
+      for (int64_t h0 = 0; h0 < G; h0 += 8) {  // each query's largest in order, 8 queries' side by side
+        const int64_t n = std::min<int64_t>(8, G - h0);
+        float m[8];
+        for (int64_t h = 0; h < n; ++h) m[h] = e0[(h0 + h) * kBlock];
+        for (int64_t j = 1; j < len; ++j)
+          for (int64_t h = 0; h < n; ++h) m[h] = std::max(m[h], e0[(h0 + h) * kBlock + j]);
+        for (int64_t h = 0; h < n; ++h) {
+          float* e = e0 + (h0 + h) * kBlock;
+          for (int64_t j = 0; j < len; ++j) e[j] -= m[h];
+          s.part[(r * G + h0 + h) * D2 + D + 1] = m[h];
+        }
+      }
+      if (len == kBlock) {
+        exp_nonpositive(e0, G * kBlock);  // (the G queries' blocks at once: the same bits)
+      } else {
+        for (int64_t h = 0; h < G; ++h) exp_nonpositive(e0 + h * kBlock, len);
+      }
+      for (int64_t h0 = 0; h0 < G; h0 += 8) {  // each query's sum in order, 8 queries' side by side
+        const int64_t n = std::min<int64_t>(8, G - h0);
+        float sum[8] = {};
+        for (int64_t j = 0; j < len; ++j)
+          for (int64_t h = 0; h < n; ++h) sum[h] += e0[(h0 + h) * kBlock + j];
+        for (int64_t h = 0; h < n; ++h) s.part[(r * G + h0 + h) * D2 + D] = sum[h];
       }
     }
     for_each_tile(a, a.vc, it, c, s.tile, s.start, [&](int64_t r, const float* v, int64_t len) {
