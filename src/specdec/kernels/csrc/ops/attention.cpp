@@ -94,51 +94,74 @@ inline float exp_one(float x) {
   return p * scale;
 }
 
+#if defined(__AVX2__)
+// The fp32 vectors that `exp_nonpositive` and `weigh_tile` run on: 8 lanes (AVX2) or, on the 512-bit builds,
+// 16; every operation lane by lane, multiplies and adds never fused.
+struct F8 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V at_least(V x, V c) { return _mm256_blendv_ps(x, c, _mm256_cmp_ps(x, c, _CMP_LT_OQ)); }  // x < c ? c : x
+  static V pow2(V r) {  // 2^r for whole r in the normal range
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127)), 23));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+#if defined(__AVX512F__)
+struct F16 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V at_least(V x, V c) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, c, _CMP_LT_OQ), x, c); }
+  static V pow2(V r) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(r), _mm512_set1_epi32(127)), 23));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+#if defined(__AVX2__)
+// `exp_one` on x[i ..], F::kLanes at a time, as far as whole vectors go; returns where it stopped.
+template <typename F>
+inline int64_t exp_vectors(float* x, int64_t i, int64_t n) {
+  using V = typename F::V;
+  const auto c = F::set1;
+  for (; i + F::kLanes <= n; i += F::kLanes) {
+    const V v = F::at_least(F::load(x + i), c(-87.0f));
+    const V r = F::sub(F::add(F::mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
+    V f = F::sub(v, F::mul(r, c(0.693359375f)));
+    f = F::sub(f, F::mul(r, c(-2.12194440e-4f)));
+    V p = c(1.9875691500e-4f);
+    p = F::add(F::mul(p, f), c(1.3981999507e-3f));
+    p = F::add(F::mul(p, f), c(8.3334519073e-3f));
+    p = F::add(F::mul(p, f), c(4.1665795894e-2f));
+    p = F::add(F::mul(p, f), c(1.6666665459e-1f));
+    p = F::add(F::mul(p, f), c(5.0000001201e-1f));
+    p = F::add(F::add(F::mul(p, F::mul(f, f)), f), c(1.0f));
+    F::store(x + i, F::mul(p, F::pow2(r)));
+  }
+  return i;
+}
+#endif
+
 inline void exp_nonpositive(float* x, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  {  // the same operations, 16 at a time
-    const auto c = [](float v) { return _mm512_set1_ps(v); };
-    const auto mul = [](__m512 a, __m512 b) { return _mm512_mul_ps(a, b); };
-    const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
-    for (; i + 16 <= n; i += 16) {
-      const __m512 x16 = _mm512_loadu_ps(x + i);
-      const __m512 v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x16, c(-87.0f), _CMP_LT_OQ), x16, c(-87.0f));
-      const __m512 r = _mm512_sub_ps(add(mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
-      __m512 f = _mm512_sub_ps(v, mul(r, c(0.693359375f)));
-      f = _mm512_sub_ps(f, mul(r, c(-2.12194440e-4f)));
-      __m512 p = c(1.9875691500e-4f);
-      p = add(mul(p, f), c(1.3981999507e-3f));
-      p = add(mul(p, f), c(8.3334519073e-3f));
-      p = add(mul(p, f), c(4.1665795894e-2f));
-      p = add(mul(p, f), c(1.6666665459e-1f));
-      p = add(mul(p, f), c(5.0000001201e-1f));
-      p = add(add(mul(p, mul(f, f)), f), c(1.0f));
-      const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(r), _mm512_set1_epi32(127)), 23);
-      _mm512_storeu_ps(x + i, mul(p, _mm512_castsi512_ps(bits)));
-    }
-  }
+  i = exp_vectors<F16>(x, i, n);
 #endif
 #if defined(__AVX2__)
-  const auto c = [](float v) { return _mm256_set1_ps(v); };
-  const auto mul = [](__m256 a, __m256 b) { return _mm256_mul_ps(a, b); };
-  const auto add = [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); };
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x8 = _mm256_loadu_ps(x + i);
-    const __m256 v = _mm256_blendv_ps(x8, c(-87.0f), _mm256_cmp_ps(x8, c(-87.0f), _CMP_LT_OQ));
-    const __m256 r = _mm256_sub_ps(add(mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
-    __m256 f = _mm256_sub_ps(v, mul(r, c(0.693359375f)));
-    f = _mm256_sub_ps(f, mul(r, c(-2.12194440e-4f)));
-    __m256 p = c(1.9875691500e-4f);
-    p = add(mul(p, f), c(1.3981999507e-3f));
-    p = add(mul(p, f), c(8.3334519073e-3f));
-    p = add(mul(p, f), c(4.1665795894e-2f));
-    p = add(mul(p, f), c(1.6666665459e-1f));
-    p = add(mul(p, f), c(5.0000001201e-1f));
-    p = add(add(mul(p, mul(f, f)), f), c(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127)), 23);
-    _mm256_storeu_ps(x + i, mul(p, _mm256_castsi256_ps(bits)));
-  }
+  i = exp_vectors<F8>(x, i, n);
 #endif
   for (; i < n; ++i) x[i] = exp_one(x[i]);
 }
@@ -180,36 +203,38 @@ inline void score_tile(const float* q, const float* k, int64_t D, __m128 scale, 
     for (int j = 0; j < NK; ++j) s[i * ld + j] = out[i * NK + j];
 }
 
-// NQ queries x NV * 8 dims of `weigh_block` (NQ * NV <= 12 accumulators; each value vector loaded once).
-template <int NQ, int NV>
+// NQ queries x NV vectors of dims of `weigh_block` (NQ * NV accumulators in registers; each value vector
+// loaded once): every dim's products added in key order, whatever the vector width.
+template <typename F, int NQ, int NV>
 inline void weigh_tile(const float* e, int64_t ld, const float* v, int64_t len, int64_t D, float* acc,
                        int64_t stride) {
-  __m256 a[NQ * NV];
-#pragma GCC unroll 16
-  for (int x = 0; x < NQ * NV; ++x) a[x] = _mm256_setzero_ps();
+  using V = typename F::V;
+  V a[NQ * NV];
+#pragma GCC unroll 32
+  for (int x = 0; x < NQ * NV; ++x) a[x] = F::zero();
   for (int64_t j = 0; j < len; ++j) {
-    __m256 vv[NV];
+    V vv[NV];
 #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(v + j * D + 8 * c);
+    for (int c = 0; c < NV; ++c) vv[c] = F::load(v + j * D + F::kLanes * c);
 #pragma GCC unroll 16
     for (int i = 0; i < NQ; ++i) {
-      const __m256 p = _mm256_set1_ps(e[i * ld + j]);
+      const V p = F::set1(e[i * ld + j]);
 #pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) a[i * NV + c] = _mm256_add_ps(a[i * NV + c], _mm256_mul_ps(p, vv[c]));
+      for (int c = 0; c < NV; ++c) a[i * NV + c] = F::add(a[i * NV + c], F::mul(p, vv[c]));
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 32
   for (int i = 0; i < NQ; ++i)
 #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + i * stride + 8 * c, a[i * NV + c]);
+    for (int c = 0; c < NV; ++c) F::store(acc + i * stride + F::kLanes * c, a[i * NV + c]);
 }
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // The same tiles on 512-bit vectors, the same operations lane for lane: in `score_tile_z` a zmm holds two
 // keys' 8 lanes (keys 2p and 2p + 1 of the tile: halves 0 and 1), each lane adding its products in the order
-// of `score_tile`, and its halves reduced by `reduce4x8`; in `weigh_tile_z` a zmm holds 16 dims. Half the
-// arithmetic instructions of the 256-bit tiles, and twice the keys (or dims) a tile: the bits do not change.
+// of `score_tile`, and its halves reduced by `reduce4x8` (`weigh_tile` on `F16`: a zmm holds 16 dims). Half
+// the arithmetic instructions of the 256-bit tiles, and twice the keys (or dims) a tile: the bits do not change.
 template <int NQ, int NP>  // NQ queries x 2 * NP keys
 inline void score_tile_z(const float* q, const float* k, int64_t D, __m128 scale, float* s, int64_t ld) {
   __m512 a[NQ * NP];
@@ -239,29 +264,6 @@ inline void score_tile_z(const float* q, const float* k, int64_t D, __m128 scale
                                  _mm512_extractf32x8_ps(w, 1));
       _mm_storeu_ps(s + i * ld + 2 * p, _mm_mul_ps(r, scale));
     }
-}
-
-template <int NQ, int NV>  // NQ queries x NV * 16 dims
-inline void weigh_tile_z(const float* e, int64_t ld, const float* v, int64_t len, int64_t D, float* acc,
-                         int64_t stride) {
-  __m512 a[NQ * NV];
-#pragma GCC unroll 32
-  for (int x = 0; x < NQ * NV; ++x) a[x] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < len; ++j) {
-    __m512 vv[NV];
-#pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(v + j * D + 16 * c);
-#pragma GCC unroll 16
-    for (int i = 0; i < NQ; ++i) {
-      const __m512 p = _mm512_set1_ps(e[i * ld + j]);
-#pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) a[i * NV + c] = _mm512_add_ps(a[i * NV + c], _mm512_mul_ps(p, vv[c]));
-    }
-  }
-#pragma GCC unroll 32
-  for (int i = 0; i < NQ; ++i)
-#pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + i * stride + 16 * c, a[i * NV + c]);
 }
 #endif
 
@@ -312,22 +314,22 @@ void weigh_block(const float* e, int64_t ld, int64_t nq, const float* v, int64_t
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   if (D % 64 == 0) {
     for (; i + 6 <= nq; i += 6)
-      for (int64_t d = 0; d < D; d += 64) weigh_tile_z<6, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+      for (int64_t d = 0; d < D; d += 64) weigh_tile<F16, 6, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
     for (; i + 2 <= nq; i += 2)
-      for (int64_t d = 0; d < D; d += 64) weigh_tile_z<2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+      for (int64_t d = 0; d < D; d += 64) weigh_tile<F16, 2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
     for (; i < nq; ++i)
-      for (int64_t d = 0; d < D; d += 64) weigh_tile_z<1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+      for (int64_t d = 0; d < D; d += 64) weigh_tile<F16, 1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
   }
 #endif
 #if defined(__AVX2__)
   if (D % 16 == 0)
     for (; i + 6 <= nq; i += 6)
-      for (int64_t d = 0; d < D; d += 16) weigh_tile<6, 2>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+      for (int64_t d = 0; d < D; d += 16) weigh_tile<F8, 6, 2>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
   if (D % 32 == 0) {
     for (; i + 2 <= nq; i += 2)
-      for (int64_t d = 0; d < D; d += 32) weigh_tile<2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+      for (int64_t d = 0; d < D; d += 32) weigh_tile<F8, 2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
     for (; i < nq; ++i)
-      for (int64_t d = 0; d < D; d += 32) weigh_tile<1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
+      for (int64_t d = 0; d < D; d += 32) weigh_tile<F8, 1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
   }
 #endif
   for (; i < nq; ++i) {
