@@ -173,12 +173,15 @@ def test_a_fixed_k_draft_model_drafts_k_tokens_where_it_pays_and_nothing_where_n
         assert tuple(out.token_ids) == plain("fp32", prompt)
         assert out.metrics.num_drafts == 0 and not out.metrics.drafters, out.metrics.to_dict()
     assert reads == []
+    # the share of steps the model drafted in (what a prompt's reading can pay off on) follows its wins
+    assert never.proposer.gate.share < 0.01 < 0.3 < pays.proposer.gate.share
 
 
 def test_the_draft_model_reads_a_prompt_only_where_drafting_repays_the_reading():
     """Before its costs are measured it reads nothing (it drafts from a short window, and measures); then it
     reads a joining prompt when drafting at the acceptance measured on read prompts beats plain decoding by
-    more, over the request's max_tokens, than the reading costs."""
+    more, over the share of the request's max_tokens it has lately drafted (not the trie), than the reading
+    costs."""
     engine = auto_engine("noisy copy", 3, False)
     auto = engine.proposer
     engine.controller.costs = CostModel()
@@ -188,6 +191,9 @@ def test_the_draft_model_reads_a_prompt_only_where_drafting_repays_the_reading()
     engine.controller.costs = costs
     # K = 3 at 0.8: 2.95 tokens per (0.6 + 1.17) = 1.67 per pass-time, saving 0.4 pass-times per token
     assert auto.gate.reading_pays(1, 100, 64)  # 100 prompt tokens: 2.0 to read, 25.6 saved
+    auto.gate.share = 0.05  # the trie, not the model, drafted 19 steps in 20 lately: 1.3 saved
+    assert not auto.gate.reading_pays(1, 100, 64)
+    auto.gate.share = 1.0
     assert not auto.gate.reading_pays(1, 2000, 64)  # 40 to read
     costs.draft = {1: 0.8}  # drafting 3 tokens costs 2.4 pass-times: slower than plain, never read
     assert not auto.gate.reading_pays(1, 10, 10_000)
