@@ -37,8 +37,8 @@ def fed_while_decoding(engine: Engine) -> list[int]:
     prompts fed together while none decode); returns the list."""
     fed, feed, prefill, decoding = [], engine.prefill.feed, engine._prefill, [False]
 
-    def spy(target, seq, budget, batch):
-        n = feed(target, seq, budget, batch)
+    def spy(target, seq, budget, batch, *rest):
+        n = feed(target, seq, budget, batch, *rest)
         if decoding[0]:
             fed.append(n)
         return n

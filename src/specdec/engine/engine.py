@@ -248,13 +248,14 @@ class Engine:
         done = [b for b, out in zip(live, emitted) if out is not None]
         if self.chunk_budget is not None:  # (a prompt read in a pass of its own counts as if it rode)
             self.chunk_budget.record(len(seqs), self._now() - t0 + self._fed[1], read + self._fed[0])
+        width = 1 + max(len(d.tokens) for d in drafts)  # each running row's, in the pass
         self.controller.report(StepReport(
             batch_size=len(seqs), k=max(ks), forward_seconds=proposal.forward_seconds,
-            rows=len(seqs) * (1 + max(len(d.tokens) for d in drafts)), verify_seconds=None if read else t2 - t1,
+            rows=len(seqs) * width, verify_seconds=None if read else t2 - t1,
             outcomes=[(seqs[b].estimate, drafts[b].depth, judged[b][0].num_accepted) for b in done],
             kinds=[(seqs[b].estimate, drafts[b].kinds, judged[b][0].num_accepted) for b in done if drafts[b].kinds],
             # (the rows it computed: the running ones padded to the prompt's chunk, and the prompt's)
-            ride=((len(seqs) + 1) * max(read, 1 + max(len(d.tokens) for d in drafts)), t2 - t1) if read else None))
+            ride=((len(seqs) + 1) * max(read, width), t2 - t1) if read else None))
         return [out for out in emitted if out is not None]
 
     def _judge(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor
@@ -330,15 +331,13 @@ class Engine:
                 elif not seq.wants_prompt_logprobs:  # (those are fed a chunk at a time, as ever)
                     budget = min(budget, most)
             t0 = self._now()
-            fed = self._isolated(seq, prefill.feed, self.target, seq, budget, batch)
+            fed = self._isolated(seq, prefill.feed, self.target, seq, budget, batch, decoding)
             if fed is None:
                 self._release(seq)
                 continue
-            if decoding and fed:
-                seconds = self._now() - t0
+            if decoding and fed:  # (the step's time for the chunk budget: the proposer's reading included)
                 self._fed[0] += fed
-                self._fed[1] += seconds
-                self.controller.costs.record_pass(fed, seconds)
+                self._fed[1] += self._now() - t0
             budget -= fed
             if self.cache.lengths[seq.row] < len(seq.tokens) - 1:
                 return  # the budget is spent

@@ -35,8 +35,10 @@ class Prefill:
         self.clock = clock
         self.prefix_cache, self.isolation = prefix_cache, isolation
 
-    def feed(self, target, seq, budget: int, batch: Joining) -> int:
-        """Feed the next at most `budget` prompt tokens of `seq` to `target` (in its own row); returns how many."""
+    def feed(self, target, seq, budget: int, batch: Joining, beside_decoding: bool = False) -> int:
+        """Feed the next at most `budget` prompt tokens of `seq` to `target` (in its own row); returns how many.
+        `beside_decoding`: others decode in this step, so the target's pass is also a measure of what its rows
+        cost then (`CostModel.record_pass`; the proposer's reading of the prompt not counted)."""
         start = self.cache.lengths[seq.row]
         stop = min(len(seq.tokens) - 1, start + budget)
         if stop <= start:
@@ -53,6 +55,8 @@ class Prefill:
                                                       seq.prompt_ids[start + 1:stop + 1], seq.params.prompt_logprobs))
         t1 = self.clock()
         self.controller.record_prefill("target", stop - start, t1 - t0)
+        if beside_decoding:
+            self.controller.costs.record_pass(stop - start, t1 - t0)
         self.read(seq, stop, hidden[0], batch, t1 - t0)
         return stop - start
 
