@@ -1,8 +1,9 @@
 """The attention kernel (kernels/csrc/ops/attention.cpp, op `attention` of the block kernels' library).
 
 Bits: every output equals, bit for bit, `reference_attention` below, a slow torch transcription of the
-recipe the kernel documents (lane dot products, blocks of 64 keys, their sums combined in order); and a
-query's bits do not depend on the call: the number of rows, its row's position, the batch, chunked or whole
+recipe the kernel documents (lane dot products, blocks of 64 keys, their sums combined in order), but for bf16
+on the AMX build's tiles (`on_tiles`: a recipe of their own, checked against softmax attention within the
+output's rounding); and a query's bits do not depend on the call: the number of rows, its row's position, the batch, chunked or whole
 prefill, masked key slots, the thread count, or tiles shared across rows vs a tree's gathered keys.
 """
 
@@ -78,6 +79,44 @@ def reference_attention(q, keys, values, visible, key_index=None):
     return out
 
 
+def softmax_attention(q, keys, values, visible, key_index=None):
+    """Softmax attention in float64 (the value the recipes round), and the weighted sums of |v| (the scale of
+    its terms): two tensors in q's layout."""
+    B, T, H, D = q.shape
+    G = H // keys.shape[1]
+    out, mag = torch.zeros(B, T, H, D, dtype=torch.float64), torch.zeros(B, T, H, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            seen = visible[b, t].nonzero()[:, 0]
+            slots = key_index[b, t, seen] if key_index is not None else seen
+            if len(slots) == 0:
+                continue
+            k = keys[b, :, slots].double().repeat_interleave(G, 0)  # [H, n, D]
+            v = values[b, :, slots].double().repeat_interleave(G, 0)
+            w = torch.softmax(torch.einsum("hd,hnd->hn", q[b, t].double(), k) / D ** 0.5, -1)
+            out[b, t], mag[b, t] = torch.einsum("hn,hnd->hd", w, v), torch.einsum("hn,hnd->hd", w, v.abs())
+    return out, mag
+
+
+def on_tiles(dtype, D) -> bool:
+    """Whether this build computes bf16 attention of head size D on the tile unit (the AMX build:
+    kernels/csrc/ops/attention_tiles.h), whose recipe (the unit's dot products, weights rounded to bf16) has
+    bits of its own; every other call is `reference_attention`'s recipe."""
+    return dtype == torch.bfloat16 and qgemm.ops().attention_tiles(D)
+
+
+def check_recipe(out, q, keys, values, visible, key_index=None):
+    """`out` is the build's recipe: `reference_attention` bit for bit, or, on tiles, softmax attention within
+    the output's own rounding (half a bf16 step) and 2^-8 of its terms' scale (the weights rounded to bf16)."""
+    if not on_tiles(q.dtype, q.shape[-1]):
+        assert torch.equal(out, reference_attention(q, keys, values, visible, key_index))
+        return
+    exact, mag = softmax_attention(q, keys, values, visible, key_index)
+    step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=2.0 ** -126))) - 7)  # a bf16 step at |exact|
+    err = (out.double() - exact).abs()
+    assert (err <= 0.5 * step + mag * 2.0 ** -8).all(), (err - 0.5 * step).max()
+
+
 def causal_case(dtype, B=1, T=8, H=12, KV=2, D=128, committed=(150,), capacity=512, seed=0):
     """A pass of T new rows after `committed[b]` keys in each row b (their K/V already in the cache):
     q [B, T, H, D] (strided, as a split of qkv), the cache, visible [B, T, S]."""
@@ -103,8 +142,7 @@ def test_attention_is_the_reference_recipe_bit_for_bit(dtype, H, KV, D):
     """Grouped heads like the real target (12 query heads on 2 K/V heads of 128), one per K/V head, head
     sizes the vector code does not cover whole (72, 20), keys within one block and across several."""
     q, keys, values, visible = causal_case(dtype, B=2, T=5, H=H, KV=KV, D=D, committed=(150, 30), capacity=256)
-    out = attention(q, keys, values, visible, None)
-    assert torch.equal(out, reference_attention(q, keys, values, visible)), (H, KV, D)
+    check_recipe(attention(q, keys, values, visible, None), q, keys, values, visible)
 
 
 def test_attention_is_close_to_softmax_attention_in_float64():
@@ -127,7 +165,7 @@ def test_a_query_has_the_same_bits_for_1_to_80_rows_chunks_batches_and_threads(d
     T = 80
     q, keys, values, visible = causal_case(dtype, T=T, committed=(200,), capacity=320)
     whole = attention(q, keys, values, visible, None)
-    assert torch.equal(whole, reference_attention(q, keys, values, visible))
+    check_recipe(whole, q, keys, values, visible)
     for rows in (1, 4, 17, 64):
         assert torch.equal(attention(q[:, :rows], keys, values, visible[:, :rows, :200 + rows], None),
                            whole[:, :rows]), rows
@@ -156,9 +194,11 @@ def test_decoding_at_depth_splits_keys_across_threads_with_the_same_bits():
     """One row over 1000 keys = the same row in a 40-row pass = the reference, for 1 to 4 threads (with more
     threads than K/V heads, each head's 16 blocks are split across threads, parts combined in order)."""
     q, keys, values, visible = causal_case(torch.bfloat16, T=40, committed=(960,), capacity=1024)
-    ref = reference_attention(q[:, -1:], keys, values, visible[:, -1:])
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
+        ref = attention(q[:, -1:], keys, values, visible[:, -1:], None)
+        check_recipe(ref, q[:, -1:], keys, values, visible[:, -1:])
         for n in (1, 2, 3, 4):
             torch.set_num_threads(n)
             assert torch.equal(attention(q[:, -1:], keys, values, visible[:, -1:], None), ref), n
@@ -182,7 +222,7 @@ def test_a_tree_node_over_scattered_slots_has_the_bits_of_its_chain(dtype):
         key_index[0, t, 130:130 + len(path)] = torch.tensor(path)
         visible[0, t, 130:130 + len(path)] = True
     tree = attention(q, keys, values, visible, key_index)
-    assert torch.equal(tree, reference_attention(q, keys, values, visible, key_index))
+    check_recipe(tree, q, keys, values, visible, key_index)
     for t, path in enumerate(paths):
         chain_k, chain_v = keys.clone(), values.clone()
         chain_k[:, :, 130:130 + len(path)], chain_v[:, :, 130:130 + len(path)] = keys[:, :, path], values[:, :, path]

@@ -92,9 +92,16 @@ def record(llm, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def llm():
+    """The target. The drafts were recorded under the portable attention recipe: where this machine's default
+    build computes bf16 attention on AMX tiles (bits of their own: kernels/csrc/ops/attention_tiles.h), the
+    module runs on the AVX-512 VNNI build instead (the same matrix products' bits, the portable attention's)."""
     from specdec import LLM
+    from specdec.kernels import qgemm
 
-    return LLM(TARGET, num_speculative_tokens=0, max_model_len=MAX_LEN)
+    with pytest.MonkeyPatch.context() as mp:
+        if qgemm.ops().attention_tiles(128):
+            mp.setenv("SPECDEC_QGEMM_ISA", "avx512vnni")
+        yield LLM(TARGET, num_speculative_tokens=0, max_model_len=MAX_LEN)
 
 
 @pytest.mark.real

@@ -551,8 +551,11 @@ def test_attention_is_row_invariant_by_query_pass_width_and_threads():
             alone = qgemm.ops().attention(q[b:b + 1, t:t + 1], keys[b:b + 1], values[b:b + 1],
                                           visible[b:b + 1, t:t + 1, :101 + t], None)
             assert torch.equal(alone[0, 0], out[b, t]), (b, t)
-    outs = [qgemm.ops(isa).attention(q, keys, values, visible, None) for isa in ISAS]
-    assert all(torch.equal(outs[0], o) for o in outs[1:]), ISAS
+    # every build computes the same bits, but the AMX build's bf16 tiles (a recipe of their own, whose
+    # invariances tests/test_attention.py checks there)
+    portable = [isa for isa in ISAS if not qgemm.ops(isa).attention_tiles(q.shape[-1])]
+    outs = [qgemm.ops(isa).attention(q, keys, values, visible, None) for isa in portable]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), portable
 
 
 def test_tree_attention_reads_each_nodes_path_as_the_chain_of_that_path():

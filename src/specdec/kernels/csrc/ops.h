@@ -33,6 +33,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor visible,
                      c10::optional<at::Tensor> key_index, c10::optional<at::Tensor> pages);
+bool attention_tiles(int64_t head_dim);
 at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps, std::vector<at::Tensor> qkv_w,
                          std::vector<int64_t> qkv_t, c10::optional<at::Tensor> qkv_b, std::vector<at::Tensor> o_w,
                          std::vector<int64_t> o_t, std::vector<at::Tensor> gu_w, std::vector<int64_t> gu_t,

@@ -2,6 +2,7 @@
 #pragma once
 #include "../quant/q45_k.h"
 #include "../quant/q6_k.h"
+#include "tiles.h"
 
 #if defined(SPECDEC_AMX)
 namespace SPECDEC_QLIB {
@@ -20,19 +21,6 @@ namespace {
 constexpr int kAmxMinRows = SPECDEC_AMX_MIN_ROWS;
 
 inline bool amx_runs(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
-
-bool amx_ok() {
-  // the kernel lets a process use the tile registers once it asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // tmm0 / tmm1: sums of the low / high bytes (16 channels x 16 rows of int32); tmm4 / tmm5: their weight rows
 // (16 channels x 64 bytes); tmm6: activations (16 x (16 rows x 4 bytes))

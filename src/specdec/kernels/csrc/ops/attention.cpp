@@ -1,8 +1,8 @@
 // Attention over the K/V cache on CPU: decode, verification (chains and trees) and prefill through one
 // implementation, tiled over keys, grouped-query aware, exact and row-invariant.
 //
-// What a query computes (this defines its bits; `reference_attention` in tests/test_attention.py is the
-// same recipe written in torch). Its visible keys, in order (slot j, or key_index[j], for each visible j),
+// What a query computes (this defines its bits, but for bf16 on the AMX build's tiles: attention_tiles.h;
+// `reference_attention` in tests/test_attention.py is the same recipe written in torch). Its visible keys, in order (slot j, or key_index[j], for each visible j),
 // are numbered by rank r = 0, 1, ..., n - 1 and cut into blocks of kBlock ranks. Then
 //   score_r  = dot(q, k_r) * (1 / sqrt(D)), dot: 8 lanes, lane l summing q[d] * k[d] for d = l mod 8 in
 //              order (a product, then a sum: no fused multiply-add), then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7));
@@ -14,7 +14,8 @@
 // Nothing in it depends on the other queries of the call, their number, where the query's row sits, the
 // masked or padded slots, the chunk of prefill, the thread count or the instruction set: every build
 // computes the same operations (the AVX2 code is the portable loops' order, vectorized), so every build,
-// batch and thread count gives the same bits.
+// batch and thread count gives the same bits (bf16 on the AMX build: that build's bits, with the same
+// invariances, attention_tiles.h).
 //
 // How it runs. A work item is one sequence's rows (up to kRowBlock of them) and one K/V head: its G x rows
 // query vectors. Block c of a query whose keys there are slots s0, s0 + 1, ... (a causal prefix: every
@@ -41,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -132,25 +134,29 @@ struct F16 {
 #endif
 
 #if defined(__AVX2__)
+// `exp_one` on the F::kLanes lanes of a vector.
+template <typename F>
+inline typename F::V exp_vec(typename F::V x) {
+  using V = typename F::V;
+  const auto c = F::set1;
+  const V v = F::at_least(x, c(-87.0f));
+  const V r = F::sub(F::add(F::mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
+  V f = F::sub(v, F::mul(r, c(0.693359375f)));
+  f = F::sub(f, F::mul(r, c(-2.12194440e-4f)));
+  V p = c(1.9875691500e-4f);
+  p = F::add(F::mul(p, f), c(1.3981999507e-3f));
+  p = F::add(F::mul(p, f), c(8.3334519073e-3f));
+  p = F::add(F::mul(p, f), c(4.1665795894e-2f));
+  p = F::add(F::mul(p, f), c(1.6666665459e-1f));
+  p = F::add(F::mul(p, f), c(5.0000001201e-1f));
+  p = F::add(F::add(F::mul(p, F::mul(f, f)), f), c(1.0f));
+  return F::mul(p, F::pow2(r));
+}
+
 // `exp_one` on x[i ..], F::kLanes at a time, as far as whole vectors go; returns where it stopped.
 template <typename F>
 inline int64_t exp_vectors(float* x, int64_t i, int64_t n) {
-  using V = typename F::V;
-  const auto c = F::set1;
-  for (; i + F::kLanes <= n; i += F::kLanes) {
-    const V v = F::at_least(F::load(x + i), c(-87.0f));
-    const V r = F::sub(F::add(F::mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
-    V f = F::sub(v, F::mul(r, c(0.693359375f)));
-    f = F::sub(f, F::mul(r, c(-2.12194440e-4f)));
-    V p = c(1.9875691500e-4f);
-    p = F::add(F::mul(p, f), c(1.3981999507e-3f));
-    p = F::add(F::mul(p, f), c(8.3334519073e-3f));
-    p = F::add(F::mul(p, f), c(4.1665795894e-2f));
-    p = F::add(F::mul(p, f), c(1.6666665459e-1f));
-    p = F::add(F::mul(p, f), c(5.0000001201e-1f));
-    p = F::add(F::add(F::mul(p, F::mul(f, f)), f), c(1.0f));
-    F::store(x + i, F::mul(p, F::pow2(r)));
-  }
+  for (; i + F::kLanes <= n; i += F::kLanes) F::store(x + i, exp_vec<F>(F::load(x + i)));
   return i;
 }
 #endif
@@ -394,9 +400,22 @@ void prepare(const Call<T>& a, int64_t b, int64_t g, int64_t t0, int64_t t1, Ite
   it.n_max = 0;
   for (int64_t t = t0; t < t1; ++t) {
     const bool* vis = a.visible + (b * a.Tn + t) * a.S;
-    const int64_t* idx = a.key_index ? a.key_index + (b * a.Tn + t) * a.S : nullptr;
-    for (int64_t j = 0; j < a.S; ++j)
-      if (vis[j]) it.slots.push_back(idx ? idx[j] : j);
+    if (a.key_index) {
+      const int64_t* idx = a.key_index + (b * a.Tn + t) * a.S;
+      for (int64_t j = 0; j < a.S; ++j)
+        if (vis[j]) it.slots.push_back(idx[j]);
+    } else {  // runs of visible slots (a causal row: one), a run at a time
+      for (int64_t j = 0; j < a.S;) {
+        const void* on = std::memchr(vis + j, 1, a.S - j);
+        if (on == nullptr) break;
+        j = static_cast<const bool*>(on) - vis;
+        const void* off = std::memchr(vis + j, 0, a.S - j);
+        const int64_t end = off ? static_cast<const bool*>(off) - vis : a.S, n0 = it.slots.size();
+        it.slots.resize(n0 + end - j);
+        std::iota(it.slots.begin() + n0, it.slots.end(), j);
+        j = end;
+      }
+    }
     it.offs.push_back(static_cast<int64_t>(it.slots.size()));
     it.n_max = std::max(it.n_max, it.n(t - t0));
   }
@@ -409,6 +428,23 @@ void prepare(const Call<T>& a, int64_t b, int64_t g, int64_t t0, int64_t t1, Ite
             static_cast<float>(a.q[b * a.sb + t * a.st + (g * G + h) * a.sh + d * a.sd]);
 }
 
+// Where each row's block c starts: -1 (it has none), -2 (its keys are scattered slots: a tree's last block),
+// else the first of its run of slots. (Without key_index a row's slots increase: a run iff its ends are.)
+template <typename T>
+void block_starts(const Call<T>& a, const Item& it, int64_t c, std::vector<int64_t>& start) {
+  const int64_t R = it.rows(), first = c * kBlock;
+  start.assign(R, -1);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = std::min(kBlock, it.n(r) - first);
+    if (len <= 0) continue;
+    const int64_t* sl = it.slots.data() + it.offs[r] + first;
+    bool run = sl[len - 1] - sl[0] == len - 1;
+    if (a.key_index)
+      for (int64_t j = 1; j < len && run; ++j) run = sl[j] == sl[0] + j;
+    start[r] = run ? sl[0] : -2;
+  }
+}
+
 // Calls fn(r, tile, len) for each row r of the item that has a block c, tile [len, D] (fp32) holding its
 // block's keys (or values) in rank order. Rows whose block is a run of slots s0, s0 + 1, ... share one
 // tile per s0, converted once; other rows (a tree's scattered keys) gather their own.
@@ -416,15 +452,7 @@ template <typename T, typename Fn>
 void for_each_tile(const Call<T>& a, const T* base, const Item& it, int64_t c, std::vector<float>& tile,
                    std::vector<int64_t>& start, Fn fn) {
   const int64_t R = it.rows(), D = a.D, first = c * kBlock;
-  start.assign(R, -1);  // -1: no block c; -2: scattered; else its first slot
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t len = std::min(kBlock, it.n(r) - first);
-    if (len <= 0) continue;
-    const int64_t* sl = it.slots.data() + it.offs[r] + first;
-    bool run = true;
-    for (int64_t j = 1; j < len && run; ++j) run = sl[j] == sl[0] + j;
-    start[r] = run ? sl[0] : -2;
-  }
+  block_starts(a, it, c, start);
   for (int64_t r = 0; r < R; ++r) {
     if (start[r] == -1) continue;
     const int64_t* sl = it.slots.data() + it.offs[r] + first;
@@ -456,9 +484,20 @@ void for_each_tile(const Call<T>& a, const T* base, const Item& it, int64_t c, s
   }
 }
 
+}  // namespace
+}  // namespace SPECDEC_QLIB
+
+#include "attention_tiles.h"
+
+namespace SPECDEC_QLIB {
+namespace {
+
 struct Scratch {
   std::vector<float> tile, scores, part, totals;
   std::vector<int64_t> start;
+#if defined(SPECDEC_AMX)
+  TileBufs tiles;
+#endif
 };
 
 // Blocks [c0, c1) of the item, one at a time: for each row that has block c, its G queries' scores, their
@@ -467,6 +506,11 @@ struct Scratch {
 template <typename T, typename Fn>
 void run_blocks(const Call<T>& a, const Item& it, int64_t c0, int64_t c1, Scratch& s, Fn fn) {
   const int64_t G = a.G, D = a.D, D2 = D + 2;
+#if defined(SPECDEC_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (attention_on_tiles(D)) return run_blocks_tiles(a, it, c0, c1, s.part, s.start, s.tiles, fn);
+  }
+#endif
   s.scores.resize(it.rows() * G * kBlock);
   s.part.resize(it.rows() * G * D2);
   for (int64_t c = c0; c < c1; ++c) {
@@ -600,6 +644,15 @@ void attend(const Call<T>& a, int64_t B) {
 }
 
 }  // namespace
+
+// Whether bf16 attention with heads of `head_dim` runs on the tile unit here (attention_tiles.h: its own bits).
+bool attention_tiles(int64_t head_dim) {
+#if defined(SPECDEC_AMX)
+  return attention_on_tiles(head_dim);
+#else
+  return false;
+#endif
+}
 
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor visible,
                      c10::optional<at::Tensor> key_index, c10::optional<at::Tensor> pages) {
