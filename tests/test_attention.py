@@ -137,10 +137,12 @@ def attention(*args):
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("H,KV,D", [(12, 2, 128), (4, 4, 64), (6, 3, 72), (2, 1, 20)])
+@pytest.mark.parametrize("H,KV,D", [(12, 2, 128), (4, 4, 64), (6, 3, 72), (2, 1, 20), (8, 2, 256), (20, 1, 96)])
 def test_attention_is_the_reference_recipe_bit_for_bit(dtype, H, KV, D):
     """Grouped heads like the real target (12 query heads on 2 K/V heads of 128), one per K/V head, head
-    sizes the vector code does not cover whole (72, 20), keys within one block and across several."""
+    sizes the vector code does not cover whole (72, 20), and on tiles: queries reloaded per key group (256),
+    3 chunks of dims and 20 query heads a K/V head (two groups of 16 queries a row); keys within one block
+    and across several."""
     q, keys, values, visible = causal_case(dtype, B=2, T=5, H=H, KV=KV, D=D, committed=(150, 30), capacity=256)
     check_recipe(attention(q, keys, values, visible, None), q, keys, values, visible)
 
@@ -188,6 +190,19 @@ def test_a_query_has_the_same_bits_for_1_to_80_rows_chunks_batches_and_threads(d
     bvis = torch.zeros(3, T, 280, dtype=torch.bool)
     bvis[:2, :, :ovis.shape[-1]], bvis[2] = ovis, visible[0]
     assert torch.equal(attention(bq, bk, bv, bvis, None)[2], whole[0])
+
+
+@pytest.mark.parametrize("H,KV,D", [(8, 2, 256), (20, 1, 96)])
+def test_other_head_shapes_give_a_row_the_same_bits_alone_and_in_a_pass(H, KV, D):
+    """Each row of a 20-row pass after 70 keys (two blocks, the diagonal in the second) = that row alone, bf16:
+    on tiles, queries reloaded for each group of keys (256 dims), and groups of 16 queries that split a row's
+    20 query heads."""
+    q, keys, values, visible = causal_case(torch.bfloat16, T=20, H=H, KV=KV, D=D, committed=(70,), capacity=128)
+    whole = attention(q, keys, values, visible, None)
+    check_recipe(whole, q, keys, values, visible)
+    for t in (0, 7, 19):
+        alone = attention(q[:, t:t + 1], keys, values, visible[:, t:t + 1, :71 + t], None)
+        assert torch.equal(alone, whole[:, t:t + 1]), t
 
 
 def test_decoding_at_depth_splits_keys_across_threads_with_the_same_bits():
