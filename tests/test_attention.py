@@ -3,8 +3,9 @@
 Bits: every output equals, bit for bit, `reference_attention` below, a slow torch transcription of the
 recipe the kernel documents (lane dot products, blocks of 64 keys, their sums combined in order), but for bf16
 on the AMX build's tiles (`on_tiles`: a recipe of their own, checked against softmax attention within the
-output's rounding); and a query's bits do not depend on the call: the number of rows, its row's position, the batch, chunked or whole
-prefill, masked key slots, the thread count, or tiles shared across rows vs a tree's gathered keys.
+output's rounding); and a query's bits do not depend on the call: the number of rows, its row's position, the
+batch, chunked or whole prefill, masked key slots, the thread count, or tiles shared across rows vs a tree's
+gathered keys.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 // implementation, tiled over keys, grouped-query aware, exact and row-invariant.
 //
 // What a query computes (this defines its bits, but for bf16 on the AMX build's tiles: attention_tiles.h;
-// `reference_attention` in tests/test_attention.py is the same recipe written in torch). Its visible keys, in order (slot j, or key_index[j], for each visible j),
-// are numbered by rank r = 0, 1, ..., n - 1 and cut into blocks of kBlock ranks. Then
+// `reference_attention` in tests/test_attention.py is the same recipe written in torch). Its visible keys,
+// in order (slot j, or key_index[j], for each visible j), are numbered by rank r = 0, 1, ..., n - 1 and cut
+// into blocks of kBlock ranks. Then
 //   score_r  = dot(q, k_r) * (1 / sqrt(D)), dot: 8 lanes, lane l summing q[d] * k[d] for d = l mod 8 in
 //              order (a product, then a sum: no fused multiply-add), then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7));
 //   block c: m_c = its largest score (exact in any order), e_r = exp(score_r - m_c) (`exp_nonpositive`:

@@ -38,7 +38,7 @@ struct TileBufs {
   const uint16_t* kt[4] = {};  // keys 16 j .. 16 j + 15: in the cache (a row every D) or in k
   std::vector<uint16_t> v;     // [32 pairs, 2 D]: its values, keys 2p and 2p + 1 interleaved dim by dim
   std::vector<uint16_t> q;     // [groups][D / 2][16 queries][2]: the queries in the unit's pair layout
-  std::vector<int64_t> q_rows;  // the rows whose queries `q` holds (and b, g, t0 of their item)
+  std::vector<int64_t> q_rows;  // the rows (of the item at hand) whose queries `q` holds
   std::vector<float> s;         // [64 keys, 16 queries]
   std::vector<uint32_t> p;      // [2 halves][16 queries][16 key pairs]: the weights' A tiles
   std::vector<float> acc;       // [16 queries, D]
@@ -63,7 +63,9 @@ inline void tiles_load(const Call<at::BFloat16>& a, const Item& it, int64_t s0, 
   const int64_t kw = (width + 15) / 16 * 16, pairs = (width + 31) / 32 * 16;
   tb.k.resize(kBlock * D);
   tb.v.resize(kBlock * D);
-  const auto key = [&](const at::BFloat16* base, int64_t j) { return raw(a.at(base, it.b, it.g, slots ? slots[j] : s0 + j)); };
+  const auto key = [&](const at::BFloat16* base, int64_t j) {  // the block's key (or value) of rank j
+    return raw(a.at(base, it.b, it.g, slots ? slots[j] : s0 + j));
+  };
   for (int64_t j = 0; j < kw; j += 16) {  // each 16 keys' A tile: in place (16 of a run in one page), or copied
     if (!slots && j + 16 <= width && (s0 + j) % a.P + 16 <= a.P) {
       tb.kt[j / 16] = key(a.kc, j);
@@ -179,7 +181,8 @@ inline void tiles_group(const Call<at::BFloat16>& a, const std::vector<int64_t>&
     if (two) _tile_stored(1, tb.s.data() + (k0 + 16) * kTileQ, 64);
   }
   alignas(64) int32_t lens[kTileQ] = {};
-  for (int64_t i = 0; i < n; ++i) lens[i] = static_cast<int32_t>(std::min(kBlock, it.n(rows[(x0 + i) / G]) - c * kBlock));
+  for (int64_t i = 0; i < n; ++i)
+    lens[i] = static_cast<int32_t>(std::min(kBlock, it.n(rows[(x0 + i) / G]) - c * kBlock));
   const __m512i len = _mm512_load_si512(lens);
   const __m512 scale = _mm512_set1_ps(a.scale);
   __m512 m = _mm512_set1_ps(-INFINITY);
@@ -220,10 +223,11 @@ inline void tiles_group(const Call<at::BFloat16>& a, const std::vector<int64_t>&
   if (halves > 1) _tile_loadd(3, tb.p.data() + 256, 64);
   // into the parts themselves when the group's queries are consecutive there (the tile's 16 rows may run past
   // them into parts not yet computed, or already combined: `part` has 16 spare), else through tb.acc
+  const auto at = [&](int64_t x) { return rows[x / G] * G + x % G; };  // query x's part
   bool in_place = true;
-  for (int64_t x = x0 + 1; x < x0 + n && in_place; ++x) in_place = rows[x / G] * G + x % G == rows[x0 / G] * G + x0 % G + (x - x0);
+  for (int64_t x = x0 + 1; x < x0 + n && in_place; ++x) in_place = at(x) == at(x0) + (x - x0);
   tb.acc.resize(kTileQ * D);
-  float* acc = in_place ? part + (rows[x0 / G] * G + x0 % G) * D2 : tb.acc.data();
+  float* acc = in_place ? part + at(x0) * D2 : tb.acc.data();
   const int64_t ld = in_place ? D2 : D;
   const uint16_t* v = tb.v.data();
   for (int64_t d = 0; d < D; d += 32) {
@@ -247,7 +251,7 @@ inline void tiles_group(const Call<at::BFloat16>& a, const std::vector<int64_t>&
   _mm512_store_ps(maxes, m);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t x = x0 + i;
-    float* o = part + (rows[x / G] * G + x % G) * D2;
+    float* o = part + at(x) * D2;
     if (!in_place) std::copy(tb.acc.data() + i * D, tb.acc.data() + (i + 1) * D, o);
     o[D] = sums[i], o[D + 1] = maxes[i];
   }
