@@ -1,7 +1,7 @@
 """Attention at depth on the real target (block kernels), side by side with llama.cpp on the same GGUF.
 
     .venv/bin/python benchmarks/bench_attention.py [--depth 8192] [--threads 2] [--old-src ../main/src]
-        [--llama-bench PATH] [--skip-llama] [--itl] [--itl-only]
+        [--llama-bench PATH] [--skip-llama] [--itl] [--itl-only] [--q8]
 
 For each specdec tree given (this checkout's `src`, and with --old-src another checkout's, e.g. the kernel
 before this one), a worker process loads the target (`gguf` blocks, bf16 activations) and measures:
@@ -13,6 +13,7 @@ before this one), a worker process loads the target (`gguf` blocks, bf16 activat
                prompt is read beside it in the engine, plain greedy decoding: in 512-token chunks of its own
                (`prefill_itl_factor=None`), and riding in the short request's passes (the default)
 and, unless --skip-llama, llama-bench -p DEPTH and -n 32 -d DEPTH on the same GGUF with the same threads.
+With --q8, this checkout again with an 8-bit K/V cache (`--kv-cache-dtype q8_0`), side by side.
 The machine may be shared: compare the ratios measured in one run. Prints a table, then one JSON line.
 """
 
@@ -34,12 +35,13 @@ LLAMA_BENCH = ROOT.parent / "shared" / "tools" / "llama.cpp-avx2" / "llama-bench
 CHUNK = 512
 
 
-def worker(depth: int, itl: bool, fill: bool = False, itl_only: bool = False) -> dict:
+def worker(depth: int, itl: bool, fill: bool = False, itl_only: bool = False, kv_format: str = "auto") -> dict:
     import torch
 
     from specdec.api import load_model
 
     model, tokenizer, _ = load_model(TARGET, torch.bfloat16, torch.device("cpu"), quantization="gguf")
+    model.kv_format = kv_format  # (a checkout before the 8-bit cache ignores it: "auto" only)
     if itl_only:
         return inter_token_latency(model, tokenizer, depth)
     gen = torch.Generator().manual_seed(0)
@@ -51,8 +53,14 @@ def worker(depth: int, itl: bool, fill: bool = False, itl_only: bool = False) ->
         cache.lengths[0] = 0
         if fill:  # random K/V for the first depth - 512 slots (attention costs the same), then the last chunk
             for layer in range(len(cache.keys)):
-                cache.keys[layer].normal_(generator=gen)
-                cache.values[layer].normal_(generator=gen)
+                for kv in (cache.keys[layer], cache.values[layer]):
+                    if kv.dtype == torch.int8:  # (Q8_0 rows: the encoding of random values)
+                        from specdec.models.kv_cache import q8_encode
+
+                        shape = (*kv.shape[:-1], model.config.head_dim)
+                        kv.copy_(q8_encode(torch.randn(shape, generator=gen, dtype=torch.bfloat16)))
+                    else:
+                        kv.normal_(generator=gen)
             cache.lengths[0] = depth - CHUNK
         t0, c0 = time.perf_counter(), time.process_time()
         for s in range(cache.lengths[0], depth, CHUNK):
@@ -160,10 +168,10 @@ def _gaps(engine, long_prompt: list[int]) -> dict:
             "itl_worst_during_prefill_ms": 1e3 * max(shared), "long_prompt_done_s": time.perf_counter() - t0}
 
 
-def run_worker(src: Path, args) -> dict:
+def run_worker(src: Path, args, kv_format: str = "auto") -> dict:
     flags = [f"--{name.replace('_', '-')}" for name in ("itl", "op_only", "fill", "itl_only") if getattr(args, name)]
     return checkouts.run_worker(__file__, src, args.threads, "--depth", str(args.depth), "--threads",
-                                str(args.threads), *flags)
+                                str(args.threads), "--kv-cache-dtype", kv_format, *flags)
 
 
 def llama_bench(path: Path, gguf: Path, depth: int, threads: int) -> dict:
@@ -189,15 +197,19 @@ def main() -> None:
     ap.add_argument("--op-only", action="store_true", help="only the attention op alone (no model, no llama.cpp)")
     ap.add_argument("--fill", action="store_true", help="random K/V up to depth - 512 instead of a prefill; "
                     "then time the last 512-token chunk and the passes at depth (minutes, not the hour of a loaded machine)")
+    ap.add_argument("--q8", action="store_true", help="also this checkout with --kv-cache-dtype q8_0 (column q8_0)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)  # (a worker's)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(op_worker(args.depth, args.threads) if args.op_only else
-                         worker(args.depth, args.itl, args.fill, args.itl_only)))
+                         worker(args.depth, args.itl, args.fill, args.itl_only, args.kv_cache_dtype)))
         return
     load = os.getloadavg()
     sides = {"new": ROOT / "src"} | ({"old": args.old_src.resolve()} if args.old_src else {})
     results = {name: run_worker(src, args) for name, src in sides.items()}
+    if args.q8:
+        results["q8_0"] = run_worker(ROOT / "src", args, "q8_0")
     if not (args.skip_llama or args.op_only or args.itl_only) and args.llama_bench.is_file():
         sys.path.insert(0, str(ROOT / "src"))
         from specdec.models.store import resolve_model
@@ -216,6 +228,10 @@ def main() -> None:
         for key in keys:
             if key in results["new"] and key in results["old"]:
                 print(f"old / new {key:30}{results['old'][key] / results['new'][key]:12.2f}")
+    if "q8_0" in results:
+        for key in keys:
+            if key in results["new"] and key in results["q8_0"]:
+                print(f"q8_0 / new {key:29}{results['q8_0'][key] / results['new'][key]:12.2f}")
     if "llama.cpp" in results:
         for key in [k for k in ("prefill_tok_s", "decode_tok_s") if k in results["new"]]:
             print(f"new / llama.cpp {key:14}{results['new'][key] / results['llama.cpp'][key]:12.2f}")

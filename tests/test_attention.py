@@ -304,6 +304,66 @@ def test_page_tables_are_checked():
         attention(q, kp, vp, visible, None, table.int())
 
 
+# ------------------------------------------------------------------------- an 8-bit K/V cache (q8_0)
+def test_the_kernels_q8_0_rows_are_the_python_encoders_byte_for_byte():
+    """`quantize_kv` (what the decoder-layer op writes) and `q8_encode` (what Python writes): the same bytes,
+    for random rows at several scales, rows of zeros and rows whose largest value ties a rounding; decoding
+    gives q * d, within half a step (d / 2) of the value."""
+    from specdec.models.kv_cache import q8_decode, q8_encode
+
+    g = torch.Generator().manual_seed(3)
+    scales = torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(2)[:, None, None, None]  # rows of 3 sizes
+    x = torch.randn(6, 2, 40, 128, generator=g) * scales
+    x[0, 0, :3] = 0
+    x[1, 1, 0, :32] = torch.arange(32) * 0.5  # 15.5 / 127 and its multiples
+    for dtype in (F32, torch.bfloat16):
+        rows = q8_encode(x.to(dtype))
+        assert rows.dtype == torch.int8 and rows.shape == (6, 2, 40, 136)
+        assert torch.equal(qgemm.ops().quantize_kv(x.to(dtype)), rows)
+        back = q8_decode(rows, F32)
+        d = rows[..., 128:].contiguous().view(torch.float16).float().repeat_interleave(32, -1)
+        assert (back - x.to(dtype).float()).abs().le(d / 2 * (1 + 2 ** -8)).all()
+    assert q8_decode(q8_encode(torch.zeros(2, 64)), F32).eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_q8_0_cache_reads_as_its_values_with_the_same_invariances(dtype):
+    """Attention over a Q8_0 cache is attention over its values q * d: the portable recipe on them in fp32 (bit
+    for bit), or on tiles those values in bf16 (bit for bit the kernel on a bf16 cache holding them); a row alone
+    is that row in a pass, a tree node its chain, paged rows whole ones."""
+    from specdec.models.kv_cache import q8_decode, q8_encode
+
+    T = 20
+    q, keys, values, visible = causal_case(dtype, B=2, T=T, committed=(150, 37), capacity=256)
+    k8, v8 = q8_encode(keys), q8_encode(values)
+    out = attention(q, k8, v8, visible, None)
+    if on_tiles(dtype, 128):
+        assert torch.equal(out, attention(q, q8_decode(k8, dtype), q8_decode(v8, dtype), visible, None))
+    else:
+        assert torch.equal(out, reference_attention(q, q8_decode(k8, F32), q8_decode(v8, F32), visible))
+    for t in (0, 9, 19):
+        alone = attention(q[:, t:t + 1], k8, v8, visible[:, t:t + 1, :150 + t + 1], None)
+        assert torch.equal(alone[0], out[0, t:t + 1]), t
+    kp, table = paged(k8, 16, pool=40)
+    vp, _ = paged(v8, 16, pool=40)
+    assert torch.equal(attention(q, kp, vp, visible, None, table), out)
+    key_index = torch.arange(visible.shape[-1]).expand(2, T, -1).clone()  # a tree: scattered slots
+    key_index[:, :, 150:153] = torch.tensor([160, 155, 201])
+    tree = attention(q, kp, vp, visible, key_index, table)
+    chain_k, chain_v = k8.clone(), v8.clone()
+    chain_k[:, :, 150:153], chain_v[:, :, 150:153] = k8[:, :, [160, 155, 201]], v8[:, :, [160, 155, 201]]
+    assert torch.equal(tree, attention(q, chain_k, chain_v, visible, None))
+
+
+def test_a_q8_0_cache_with_a_head_size_not_of_32s_is_refused():
+    q, keys, values, visible = causal_case(F32, T=2, committed=(10,), capacity=64, H=4, KV=2, D=40)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        qgemm.ops().quantize_kv(keys)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        attention(q, torch.zeros(1, 2, 64, 45, dtype=torch.int8), torch.zeros(1, 2, 64, 45, dtype=torch.int8),
+                  visible, None)
+
+
 # ------------------------------------------------------------------------- long contexts, end to end
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):
@@ -359,3 +419,51 @@ def test_greedy_after_a_long_prompt_is_the_same_for_plain_and_every_drafter(long
         out = generate(proposer, k)
         assert out.token_ids == plain, name
         assert out.metrics.num_drafts > 0, name
+
+
+@pytest.fixture(scope="module")
+def model_of_32s(tmp_path_factory):
+    """The tiny GGUF with 2 query heads on 1 K/V head of 32 (Q8_0 rows need a multiple of 32), a 2.3k context."""
+    from specdec.models.loading import load_quantized
+    from test_tokenizer import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("q8") / "tiny32.gguf"
+    write_tiny_gguf(path, context_length=2304, heads=2, kv_heads=1)
+    _, model, tokenizer = load_quantized(path, "gguf", torch.bfloat16)
+    return model, tokenizer
+
+
+def test_greedy_on_a_q8_0_cache_is_the_same_for_plain_and_every_drafter(model_of_32s):
+    """`--kv-cache-dtype q8_0` after a 2k-token prompt: plain decoding, a draft model (the model itself, its cache
+    in q8_0 too), suffix chains and trees give the same greedy tokens, bit for bit (each token's row is encoded
+    alone, by the decoder-layer op in every pass shape), and the cache holds int8 rows."""
+    from specdec.config import SamplingParams
+    from specdec.engine import Engine
+    from specdec.speculative.draft_model import DraftModelProposer
+    from specdec.speculative.proposers import SuffixProposer
+    from specdec.speculative.suffix import SuffixCache
+
+    model, tokenizer = model_of_32s
+    motif = torch.randint(3, 60, (300,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompt = (motif * 7)[:2048]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    model.kv_format = "q8_0"
+    try:
+        def generate(proposer=None, k: int = 0):
+            engine = Engine(model, tokenizer, proposer=proposer, num_speculative_tokens=k, max_model_len=2112)
+            assert engine.cache.keys[0].dtype == torch.int8
+            engine.add_request("r", prompt, params)
+            final = None
+            while engine.has_unfinished_requests():
+                final = next((o for o in engine.step() if o.finished), final)
+            return final
+
+        plain = generate().token_ids
+        for name, (proposer, k) in {"draft model": (DraftModelProposer(model, 1, 2112, window=2112), 3),
+                                    "suffix": (SuffixProposer(SuffixCache()), 5),
+                                    "suffix tree": (SuffixProposer(SuffixCache(), tree=True), 5)}.items():
+            out = generate(proposer, k)
+            assert out.token_ids == plain, name
+            assert out.metrics.num_drafts > 0, name
+    finally:
+        model.kv_format = "auto"

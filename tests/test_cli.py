@@ -153,9 +153,10 @@ ACCEPTED = [
     ["--max-model-len", "256"], ["--gpu-memory-utilization", "0.5"], ["--memory-utilization", "1"],
     ["--max-num-batched-tokens", "64"], ["--no-enable-prefix-caching"], ["--prefill-itl-factor", "3"],
     ["--prefill-itl-factor", "0"], ["-tp", "1", "--pipeline-parallel-size", "1", "--trust-remote-code", "--enforce-eager"],
+    ["--kv-cache-dtype", "q8_0"],
 ]
 REFUSED_BY_THE_PARSER = [
-    ["--dtype", "float8"], ["--quantization", "awq"], ["--gpu-memory-utilization", "0"],
+    ["--dtype", "float8"], ["--quantization", "awq"], ["--kv-cache-dtype", "fp8"], ["--gpu-memory-utilization", "0"],
     ["--gpu-memory-utilization", "1.5"], ["--max-model-len", "0"], ["--max-num-batched-tokens", "0"],
     ["--num-speculative-tokens", "x"], ["--prefill-itl-factor", "1"], ["--prefill-itl-factor", "-2"],
     ["--prefill-itl-factor", "inf"],

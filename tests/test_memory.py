@@ -115,3 +115,32 @@ def test_llm_on_cpu_states_its_default_budget_and_honours_a_given_fraction(tiny_
     given = LLM(str(tiny_gguf), quantization="none", dtype="float32", max_model_len=64, max_num_seqs=2,
                 speculative_config={"method": "ngram", "num_speculative_tokens": 2}, memory_utilization=0.95)
     assert given.memory_plan.budget == int(0.95 * ram) and given.memory_plan.budget_note == ""
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"], ids=["block kernels", "float"])
+def test_a_q8_0_kv_cache_takes_fewer_bytes_a_token_and_drafts_decode_as_plain(tmp_path, quantization):
+    """`kv_cache_dtype="q8_0"`: the plan counts 136 bytes a 128-value row (or the model's head size's), and
+    greedy decoding with a draft model equals plain decoding on the same 8-bit cache, on the block kernels
+    (the C++ layer encodes each token) and on float weights (torch encodes, attention reads the decoded rows)."""
+    from specdec import LLM, SamplingParams
+
+    tiny_gguf = tmp_path / "tiny32.gguf"
+    write_tiny_gguf(tiny_gguf, heads=2, kv_heads=1)  # heads of 32 values: Q8_0's block
+    kw = dict(quantization=quantization, max_model_len=256)
+    if quantization == "none":
+        kw["dtype"] = "float32"
+    plain16 = LLM(str(tiny_gguf), num_speculative_tokens=0, **kw)
+    plain8 = LLM(str(tiny_gguf), num_speculative_tokens=0, kv_cache_dtype="q8_0", **kw)
+    spec8 = LLM(str(tiny_gguf), speculative_model=str(tiny_gguf), num_speculative_tokens=3, kv_cache_dtype="q8_0", **kw)
+    config = plain8.target.config
+    row = config.head_dim + config.head_dim // 32 * 2
+    assert plain8.memory_plan.target_kv_per_token == 2 * config.num_hidden_layers * config.num_key_value_heads * row
+    assert plain8.memory_plan.target_kv_per_token < plain16.memory_plan.target_kv_per_token
+    assert spec8.engine.cache.keys[0].dtype == torch.int8
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = list(range(5, 60))
+    ref = plain8.generate(prompt, params)[0]
+    out = spec8.generate(prompt, params)[0]
+    assert out.token_ids == ref.token_ids and out.metrics.num_drafts > 0
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
+        LLM(str(tiny_gguf), kv_cache_dtype="fp8", **kw)

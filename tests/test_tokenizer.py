@@ -34,10 +34,10 @@ def _rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, tied: bool = True,
-                    context_length: int = 256) -> dict[str, np.ndarray]:
+                    context_length: int = 256, heads: int = 4, kv_heads: int = 2) -> dict[str, np.ndarray]:
     """A 2-layer decoder with the tiny byte-level tokenizer; returns its weights in Hugging Face layout."""
     rng = np.random.default_rng(seed)
-    vocab, hidden, ffn, heads, kv_heads, layers = len(TOKENS), 64, 96, 4, 2, 2
+    vocab, hidden, ffn, layers = len(TOKENS), 64, 96, 2
     head_dim = hidden // heads
     w = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
     hf = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": 1 + w(hidden)}

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import KV_FORMATS, SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
 from specdec.engine.memory import default_budget, device_memory, plan_memory
 from specdec.engine.outputs import RequestOutput
@@ -129,12 +129,16 @@ class LLM:
         prefill_itl_factor: float | None = 2.0,
         enable_prefix_caching: bool = True,
         prefix_caching_isolation: str = "shared",
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        if kv_cache_dtype not in KV_FORMATS:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose one of {', '.join(KV_FORMATS)}")
         self.device = torch.device(device) if device else default_device()
         self.quantization = resolve_quantization(quantization, self.device)
         self.dtype = torch.bfloat16 if self.quantization != "none" else resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
         self.target, self.tokenizer, self.target_path = load_model(model, self.dtype, self.device, self.quantization)
+        self.kv_cache_dtype = self.target.kv_format = kv_cache_dtype  # (a draft model's caches: the same, below)
         self.load_time = time.perf_counter() - t0
         self.model_name = model
         # the model's own context unless asked for less (as vLLM), lowered by the plan if one sequence does not fit
@@ -144,6 +148,8 @@ class LLM:
         self.drafters = load_drafters(self.spec, self.target, self.tokenizer, load_model, device=self.device,
                                       dtype=self.dtype)
         self.heads, self.draft_model = self.drafters.heads, self.drafters.draft_model
+        if self.draft_model is not None:
+            self.draft_model.kv_format = kv_cache_dtype
         total = device_memory(self.device)  # None: 0.9 of a GPU; on CPU the weights + 4 GiB for caches (memory.py)
         budget, cache_space = default_budget(self.device, total) if memory_utilization is None else \
             (int(memory_utilization * total), None)
@@ -152,7 +158,7 @@ class LLM:
             cache_space=cache_space,
             target_weights=model_bytes(self.target),
             draft_weights=self.drafters.weights_bytes(),
-            target_kv_per_token=KVCache.bytes_per_token(self.target.config, self.dtype),
+            target_kv_per_token=KVCache.bytes_per_token(self.target.config, self.dtype, kv_cache_dtype),
             draft_kv_per_token=self.drafters.kv_bytes_per_token(self.dtype),
             max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
@@ -185,6 +191,8 @@ class LLM:
             ngram = llm.engine_for(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
         """
         drafters = load_drafters(spec, self.target, self.tokenizer, load_model, device=self.device, dtype=self.dtype)
+        if drafters.draft_model is not None:
+            drafters.draft_model.kv_format = self.kv_cache_dtype
         proposer = build_proposer(spec, vocab_size=self.target.config.vocab_size, max_num_seqs=1,
                                   max_model_len=self.memory_plan.row_len or self.max_model_len,
                                   draft_model=drafters.draft_model, heads=drafters.heads,

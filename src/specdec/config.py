@@ -24,6 +24,7 @@ def specdec_home() -> Path:
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "int8", "int4")
 # activation dtypes by name: vLLM's (half = float16, float = float32) and the short ones
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
+KV_FORMATS = ("auto", "q8_0")  # --kv-cache-dtype: the activations' dtype, or 8-bit rows (models/kv_cache.py)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 

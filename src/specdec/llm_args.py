@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from specdec.config import DTYPES, QUANTIZATIONS
+from specdec.config import DTYPES, KV_FORMATS, QUANTIZATIONS
 
 SPECULATION_DESTS = ("speculative_model", "num_speculative_tokens", "speculative_config",
                      "speculative_disable_by_batch_size", "shared_suffix_cache")
@@ -56,6 +56,9 @@ def add_llm_arguments(parser: argparse.ArgumentParser, speculation: bool = True)
     model.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                        help="context length in tokens (default: the model's own, lowered if one sequence of it "
                             "does not fit the memory budget)")
+    model.add_argument("--kv-cache-dtype", default="auto", choices=KV_FORMATS,
+                       help="K/V cache rows: auto (the activations' dtype) or q8_0 (8-bit with an fp16 scale per 32 "
+                            "values, as llama.cpp's -ctk q8_0: about half the memory a token takes)")
     model.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
                        type=fraction, default=None, metavar="F",
                        help="fraction of the device memory the engine may take, in (0, 1] (vLLM's "
@@ -112,7 +115,7 @@ def llm_kwargs(args: argparse.Namespace, model: str, draft: str | None) -> dict[
         model=model, speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens,
         speculative_config=spec_config, dtype=args.dtype, quantization=args.quantization,
         max_model_len=args.max_model_len, device=args.device, enable_prefix_caching=args.enable_prefix_caching,
-        prefix_caching_isolation=args.prefix_caching_isolation,
+        prefix_caching_isolation=args.prefix_caching_isolation, kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.memory_utilization is not None:
         kwargs["memory_utilization"] = args.memory_utilization

@@ -37,10 +37,37 @@ from typing import Callable
 
 import torch
 
-from specdec.config import ModelConfig
+from specdec.config import KV_FORMATS, ModelConfig
 
 KEY_BLOCK = 64  # attention key length granularity (see models.llama): row capacities are multiples of it
 PAGE = 16  # slots a page (the prefix cache's block: vLLM's default block size)
+Q8_BLOCK = 32
+
+
+def q8_row_bytes(head_dim: int) -> int:
+    """Bytes of a Q8_0 K/V row: the int8 values, then an fp16 scale per 32."""
+    return head_dim + head_dim // Q8_BLOCK * 2
+
+
+def q8_encode(x: torch.Tensor) -> torch.Tensor:
+    """K/V rows [..., D] -> their Q8_0 bytes, int8 [..., D + D / 16] (kernels/csrc/ops/kv_quant.h, the same IEEE
+    operations): for each 32 values d = fp16(max |x| / 127), q = round(x / d) to nearest even, clamped to
+    +-127, 0 where d = 0. Each row alone, so a token's bytes do not depend on the pass that wrote it."""
+    D = x.shape[-1]
+    xf = x.float().unflatten(-1, (D // Q8_BLOCK, Q8_BLOCK))
+    d = (xf.abs().amax(-1) / 127.0).half()
+    df = d.float()
+    inv = torch.where(df != 0, 1.0 / torch.where(df != 0, df, 1.0), 0.0)
+    q = torch.round(xf * inv[..., None]).clamp(-127, 127).to(torch.int8).flatten(-2)
+    return torch.cat([q, d.view(torch.int8)], -1)
+
+
+def q8_decode(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Q8_0 rows [..., D + D / 16] -> their values q * d [..., D] (exact in fp32), in `dtype`."""
+    D = rows.shape[-1] * Q8_BLOCK // (Q8_BLOCK + 2)
+    q = rows[..., :D].float().unflatten(-1, (D // Q8_BLOCK, Q8_BLOCK))
+    d = rows[..., D:].contiguous().view(torch.float16).float()
+    return (q * d[..., None]).flatten(-2).to(dtype)
 
 
 class KVCacheFull(RuntimeError):
@@ -56,16 +83,27 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_pages: int | None = None,
+        kv_format: str = "auto",
     ) -> None:
         """`batch_size` rows of up to `capacity` slots each (whole attention key blocks), sharing `num_pages`
-        pages (default: enough for every row at full capacity)."""
+        pages (default: enough for every row at full capacity). `kv_format`: "auto" (rows of `dtype`) or "q8_0"
+        (each row's Q8_0 bytes, `q8_encode`: written through `store`, read through `gather`, the attention
+        kernel reading them as they are)."""
+        if kv_format not in KV_FORMATS:
+            raise ValueError(f"kv cache dtype {kv_format!r}: choose one of {', '.join(KV_FORMATS)}")
+        if kv_format == "q8_0" and config.head_dim % Q8_BLOCK:
+            raise ValueError(f"a q8_0 K/V cache needs a head size that is a multiple of {Q8_BLOCK} "
+                             f"(this model's: {config.head_dim})")
         capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK  # whole attention key blocks
         num_pages = batch_size * capacity // PAGE if num_pages is None else num_pages
-        shape = (num_pages, config.num_key_value_heads, PAGE, config.head_dim)
+        self.dtype, self.kv_format = dtype, kv_format
+        width = config.head_dim if kv_format == "auto" else q8_row_bytes(config.head_dim)
+        shape = (num_pages, config.num_key_value_heads, PAGE, width)
+        stored = dtype if kv_format == "auto" else torch.int8
         # (allocated, not written: a page is zeroed when first handed out, so a pool set aside for the prefix
         # cache, or for long rows, takes memory only as it is used)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.keys = [torch.empty(shape, dtype=stored, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.empty(shape, dtype=stored, device=device) for _ in range(config.num_hidden_layers)]
         self.zeroed = [False] * num_pages  # pages written since allocation (the others may hold any bits)
         self._zero(0)
         self.capacity = capacity
@@ -83,10 +121,18 @@ class KVCache:
         self.table = torch.zeros(batch_size, capacity // PAGE, dtype=torch.long, device=device)
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_format: str = "auto") -> int:
         """Memory one token takes in the cache of a model (keys and values, all layers)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+        row = (config.head_dim * torch.empty((), dtype=dtype).element_size() if kv_format == "auto"
+               else q8_row_bytes(config.head_dim))
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * row
+
+    def store(self, layer: int, page: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new K/V [B, T, KV, D] at (page, offset) [B, T] of `layer` (encoded in the cache's format)."""
+        if self.kv_format == "q8_0":
+            k, v = q8_encode(k), q8_encode(v)
+        self.keys[layer][page, :, offset] = k
+        self.values[layer][page, :, offset] = v
 
     @staticmethod
     def pages_for(slots: int) -> int:
@@ -204,10 +250,12 @@ class KVCache:
         return pages, slots % PAGE
 
     def gather(self, layer_cache: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
-        """Slots 0..slots-1 of rows 0..rows-1 of one layer's keys or values, [rows, KV, slots, D] (a copy)."""
+        """Slots 0..slots-1 of rows 0..rows-1 of one layer's keys or values, [rows, KV, slots, D] (a copy, in
+        the activations' dtype)."""
         pages = self.page_table(rows, slots)  # [B, n]
         data = layer_cache[pages]  # [B, n, KV, PAGE, D]
-        return data.transpose(1, 2).flatten(2, 3)[:, :, :slots]
+        data = data.transpose(1, 2).flatten(2, 3)[:, :, :slots]
+        return q8_decode(data, self.dtype) if self.kv_format == "q8_0" else data
 
     def _zero(self, *pages: int) -> None:
         index = torch.tensor(pages, device=self.keys[0].device) if len(pages) > 1 else None
@@ -293,6 +341,7 @@ class KVCache:
         view = KVCache.__new__(KVCache)
         view.keys, view.values, view.free, view.refs = self.keys, self.values, self.free, self.refs
         view.zeroed, view.reclaim = self.zeroed, self.reclaim
+        view.dtype, view.kv_format = self.dtype, self.kv_format
         view.prefix_pages = self.prefix_pages
         view.capacity, view.batch_size, view.lengths = self.capacity, 1, [self.lengths[row]]
         view.pages, view.table = [self.pages[row]], self.table[row:row + 1]

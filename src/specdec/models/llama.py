@@ -198,8 +198,7 @@ class Attention(nn.Module):
         if write_slots is None:  # one row, or rows of equal length: the next T slots of each
             write_slots = cache.lengths[0] + torch.arange(T, device=x.device).expand(B, T)
         page, offset = cache.locate(write_slots)  # [B, T] each
-        k_cache[page, :, offset] = k
-        v_cache[page, :, offset] = v
+        cache.store(self.layer_idx, page, offset, k, v)
         if fused:  # (the whole cache: each query reads the slots it sees, through its row's pages)
             out = qgemm.ops().attention(q, k_cache, v_cache, mask, key_index, cache.page_table(B, S))
         else:
@@ -330,8 +329,7 @@ class DecoderLayer(nn.Module):
             k = k * cos.unsqueeze(2) + rotate_half(k) * sin.unsqueeze(2)
         cache.reserve_slots(slots)
         page, offset = cache.locate(slots)
-        cache.keys[attn.layer_idx][page, :, offset] = k
-        cache.values[attn.layer_idx][page, :, offset] = v
+        cache.store(attn.layer_idx, page, offset, k, v)
 
     def forward(self, x, cos, sin, cache, write_slots, mask, key_index=None, slots=None):
         """`slots` [B, T]: the new tokens' cache slots (for the fused layer; `write_slots` or the rows' next ones)."""
@@ -380,6 +378,7 @@ class Transformer(nn.Module):
         super().__init__()
         use_one_bf16_matmul_kernel()  # a row's bits must not depend on the rows computed with it (models/cpu.py)
         self.config = config
+        self.kv_format = "auto"  # its K/V caches' rows (`--kv-cache-dtype`): the activations' dtype, or "q8_0"
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -453,7 +452,9 @@ class Transformer(nn.Module):
         return self.model.norm.weight.dtype
 
     def new_cache(self, batch_size: int, capacity: int, num_pages: int | None = None) -> KVCache:
-        return KVCache(self.config, batch_size, capacity, self.dtype, self.device, num_pages)
+        """A cache for this model, in `kv_format` ("auto": the activations' dtype; "q8_0": 8-bit rows; set by
+        `--kv-cache-dtype`)."""
+        return KVCache(self.config, batch_size, capacity, self.dtype, self.device, num_pages, self.kv_format)
 
     def forward(
         self,

@@ -45,7 +45,7 @@ class Drafters:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """The K/V cache a drafted token adds: a draft model's layers, or an EAGLE head's one layer."""
         if self.draft_model is not None:
-            return KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype)
+            return KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype, self.draft_model.kv_format)
         if self.heads is not None and self.heads.config.method == "eagle":  # (Medusa heads keep no K/V)
             return KVCache.bytes_per_token(self.heads.config.layer_config(), dtype)
         return 0

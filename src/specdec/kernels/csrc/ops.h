@@ -34,6 +34,7 @@ at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor visible,
                      c10::optional<at::Tensor> key_index, c10::optional<at::Tensor> pages);
 bool attention_tiles(int64_t head_dim);
+at::Tensor quantize_kv(at::Tensor x);  // ops/kv_quant.cpp: K/V rows in Q8_0 (--kv-cache-dtype q8_0)
 at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps, std::vector<at::Tensor> qkv_w,
                          std::vector<int64_t> qkv_t, c10::optional<at::Tensor> qkv_b, std::vector<at::Tensor> o_w,
                          std::vector<int64_t> o_t, std::vector<at::Tensor> gu_w, std::vector<int64_t> gu_t,

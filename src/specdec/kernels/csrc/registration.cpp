@@ -20,6 +20,7 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor visible, Tensor? key_index, Tensor? pages=None) -> Tensor",
         &attention);
   m.def("attention_tiles(int head_dim) -> bool", &attention_tiles);
+  m.def("quantize_kv(Tensor x) -> Tensor", &quantize_kv);
   m.def("decoder_layer(Tensor x, Tensor[] norms, float eps, Tensor[] qkv, int[] qkv_types, Tensor? qkv_bias, "
         "Tensor[] o, int[] o_types, Tensor[] gate_up, int[] gate_up_types, Tensor[] down, int[] down_types, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor visible, "

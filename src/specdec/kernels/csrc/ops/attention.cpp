@@ -33,6 +33,7 @@
 // read, never the operations on them.
 #include "../common.h"
 #include "../ops.h"
+#include "kv_quant.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -353,8 +354,8 @@ template <typename T>
 struct Call {  // one call's inputs
   const T* q;
   int64_t sb, st, sh, sd;  // q's strides
-  const T* kc;
-  const T* vc;
+  const void* kc;
+  const void* vc;
   int64_t Tn, H, KV, G, D, P, S;  // P: slots a page
   const bool* visible;
   const int64_t* key_index;
@@ -362,20 +363,29 @@ struct Call {  // one call's inputs
   int64_t np;
   float scale;
   T* out;
+  bool q8;     // the cache holds Q8_0 rows (kv_quant.h), read as their values q * d; else rows of T
+  int64_t rb;  // a cache row's bytes
 
-  // slot s of sequence b, K/V head g, in the cache `base` (kc or vc)
-  const T* at(const T* base, int64_t b, int64_t g, int64_t s) const {
+  // slot s of sequence b, K/V head g, in the cache `base` (kc or vc): its row's first byte
+  const char* row(const void* base, int64_t b, int64_t g, int64_t s) const {
     const int64_t page = pages ? pages[b * np + s / P] : b;
-    return base + ((page * KV + g) * P + s % P) * D;
+    return static_cast<const char*>(base) + ((page * KV + g) * P + s % P) * rb;
+  }
+  const T* at(const void* base, int64_t b, int64_t g, int64_t s) const {  // (a cache of T)
+    return reinterpret_cast<const T*>(row(base, b, g, s));
   }
 };
 
 // slots s0 .. s0 + n - 1 of sequence b, head g, in fp32 -> tile [n, D], a page's run at a time.
 template <typename T>
-void load_run(const Call<T>& a, const T* base, int64_t b, int64_t g, int64_t s0, int64_t n, float* tile) {
+void load_run(const Call<T>& a, const void* base, int64_t b, int64_t g, int64_t s0, int64_t n, float* tile) {
   for (int64_t done = 0; done < n;) {
     const int64_t s = s0 + done, m = std::min(n - done, a.P - s % a.P);
-    to_f32(a.at(base, b, g, s), tile + done * a.D, m * a.D);
+    if (a.q8) {
+      for (int64_t j = 0; j < m; ++j) q8_to_f32(a.row(base, b, g, s + j), tile + (done + j) * a.D, a.D);
+    } else {
+      to_f32(a.at(base, b, g, s), tile + done * a.D, m * a.D);
+    }
     done += m;
   }
 }
@@ -450,7 +460,7 @@ void block_starts(const Call<T>& a, const Item& it, int64_t c, std::vector<int64
 // block's keys (or values) in rank order. Rows whose block is a run of slots s0, s0 + 1, ... share one
 // tile per s0, converted once; other rows (a tree's scattered keys) gather their own.
 template <typename T, typename Fn>
-void for_each_tile(const Call<T>& a, const T* base, const Item& it, int64_t c, std::vector<float>& tile,
+void for_each_tile(const Call<T>& a, const void* base, const Item& it, int64_t c, std::vector<float>& tile,
                    std::vector<int64_t>& start, Fn fn) {
   const int64_t R = it.rows(), D = a.D, first = c * kBlock;
   block_starts(a, it, c, start);
@@ -460,7 +470,7 @@ void for_each_tile(const Call<T>& a, const T* base, const Item& it, int64_t c, s
     if (start[r] == -2) {
       const int64_t len = std::min(kBlock, it.n(r) - first);
       tile.resize(len * D);
-      for (int64_t j = 0; j < len; ++j) to_f32(a.at(base, it.b, it.g, sl[j]), tile.data() + j * D, D);
+      for (int64_t j = 0; j < len; ++j) load_run(a, base, it.b, it.g, sl[j], 1, tile.data() + j * D);
       fn(r, tile.data(), len);
       continue;
     }
@@ -470,7 +480,7 @@ void for_each_tile(const Call<T>& a, const T* base, const Item& it, int64_t c, s
       if (start[u] == s0) width = std::max(width, std::min(kBlock, it.n(u) - first));
     const float* keys = nullptr;
     if constexpr (std::is_same_v<T, float>) {
-      if (s0 % a.P + width <= a.P) keys = a.at(base, it.b, it.g, s0);  // in one page: read in place
+      if (!a.q8 && s0 % a.P + width <= a.P) keys = a.at(base, it.b, it.g, s0);  // in one page: read in place
     }
     if (keys == nullptr) {
       tile.resize(width * D);
@@ -659,11 +669,13 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tenso
                      c10::optional<at::Tensor> key_index, c10::optional<at::Tensor> pages) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "attention: q [B, T, H, D], keys and values [pages, KV, page size, D]");
-  TORCH_CHECK(q.device().is_cpu() && keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
-              "attention: CPU tensors of one dtype");
+  const bool q8 = keys.scalar_type() == at::kChar;  // Q8_0 rows (kv_quant.h)
+  TORCH_CHECK(q.device().is_cpu() && (keys.scalar_type() == q.scalar_type() || q8) &&
+              values.scalar_type() == keys.scalar_type(), "attention: CPU tensors of one dtype (or a Q8_0 cache)");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "attention: the cache must be contiguous");
   const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), KV = keys.size(1), P = keys.size(2);
-  TORCH_CHECK(keys.size(3) == D && KV > 0 && H % KV == 0 && P > 0, "attention: shapes do not match");
+  TORCH_CHECK(keys.size(3) == (q8 ? q8_row_bytes(D) : D) && (!q8 || D % kQ8Block == 0) && KV > 0 && H % KV == 0 &&
+              P > 0, "attention: shapes do not match");
   TORCH_CHECK(visible.dim() == 3 && visible.size(0) == B && visible.size(1) == Tn &&
               visible.scalar_type() == at::kBool, "attention: visible must be bool [B, T, S]");
   visible = visible.contiguous();
@@ -699,9 +711,9 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tenso
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const Call<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-                    keys.data_ptr<T>(), values.data_ptr<T>(), Tn, H, KV, H / KV, D, P, S,
+                    keys.data_ptr(), values.data_ptr(), Tn, H, KV, H / KV, D, P, S,
                     visible.data_ptr<bool>(), idx, table, np, 1.0f / std::sqrt(static_cast<float>(D)),
-                    out.data_ptr<T>()};
+                    out.data_ptr<T>(), q8, q8 ? q8_row_bytes(D) : D * static_cast<int64_t>(sizeof(T))};
     attend(a, B);
   };
   if (q.scalar_type() == at::kFloat)

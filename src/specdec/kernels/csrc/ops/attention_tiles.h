@@ -37,6 +37,7 @@ struct TileBufs {
   std::vector<uint16_t> k;     // [64, D]: a block's keys where they are not read in place, zero rows past the last
   const uint16_t* kt[4] = {};  // keys 16 j .. 16 j + 15: in the cache (a row every D) or in k
   std::vector<uint16_t> v;     // [32 pairs, 2 D]: its values, keys 2p and 2p + 1 interleaved dim by dim
+  std::vector<uint16_t> vrows;  // [2, D]: a pair's values in bf16, from a Q8_0 cache
   std::vector<uint16_t> q;     // [groups][D / 2][16 queries][2]: the queries in the unit's pair layout
   std::vector<int64_t> q_rows;  // the rows (of the item at hand) whose queries `q` holds
   std::vector<float> s;         // [64 keys, 16 queries]
@@ -53,27 +54,32 @@ inline void attention_tiles_configure() {
   _tile_loadconfig(&c);
 }
 
-inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
-
 // Keys and values of the block's `width` ranks into tb.k and tb.v: slots s0, s0 + 1, ... (a run, page by
-// page) or, with `slots`, those slots; zeros up to the tiles' 16 keys (values: 32).
+// page) or, with `slots`, those slots; zeros up to the tiles' 16 keys (values: 32). A Q8_0 cache's rows are
+// read as bf16(q * d).
 inline void tiles_load(const Call<at::BFloat16>& a, const Item& it, int64_t s0, const int64_t* slots,
                        int64_t width, TileBufs& tb) {
   const int64_t D = a.D;
   const int64_t kw = (width + 15) / 16 * 16, pairs = (width + 31) / 32 * 16;
   tb.k.resize(kBlock * D);
   tb.v.resize(kBlock * D);
-  const auto key = [&](const at::BFloat16* base, int64_t j) {  // the block's key (or value) of rank j
-    return raw(a.at(base, it.b, it.g, slots ? slots[j] : s0 + j));
+  const auto key = [&](const void* base, int64_t j) {  // the block's key (or value) of rank j: its row
+    return a.row(base, it.b, it.g, slots ? slots[j] : s0 + j);
+  };
+  const auto copy = [&](const void* base, int64_t j, uint16_t* o) {  // ... as bf16 (Q8_0: q * d, rounded)
+    if (a.q8)
+      q8_to_bf16(key(base, j), o, D);
+    else
+      std::memcpy(o, key(base, j), D * 2);
   };
   for (int64_t j = 0; j < kw; j += 16) {  // each 16 keys' A tile: in place (16 of a run in one page), or copied
-    if (!slots && j + 16 <= width && (s0 + j) % a.P + 16 <= a.P) {
-      tb.kt[j / 16] = key(a.kc, j);
+    if (!a.q8 && !slots && j + 16 <= width && (s0 + j) % a.P + 16 <= a.P) {
+      tb.kt[j / 16] = reinterpret_cast<const uint16_t*>(key(a.kc, j));
       continue;
     }
     uint16_t* o = tb.k.data() + j * D;
     const int64_t n = std::min<int64_t>(16, width - j);
-    for (int64_t x = 0; x < n; ++x) std::memcpy(o + x * D, key(a.kc, j + x), D * 2);
+    for (int64_t x = 0; x < n; ++x) copy(a.kc, j + x, o + x * D);
     std::fill(o + n * D, o + 16 * D, 0);
     tb.kt[j / 16] = o;
   }
@@ -81,9 +87,15 @@ inline void tiles_load(const Call<at::BFloat16>& a, const Item& it, int64_t s0, 
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  tb.vrows.resize(2 * D);
+  const auto value = [&](int64_t j, int t) -> const uint16_t* {
+    if (!a.q8) return reinterpret_cast<const uint16_t*>(key(a.vc, j));
+    copy(a.vc, j, tb.vrows.data() + t * D);
+    return tb.vrows.data() + t * D;
+  };
   for (int64_t p = 0; 2 * p < width; ++p) {
-    const uint16_t* v0 = key(a.vc, 2 * p);
-    const uint16_t* v1 = 2 * p + 1 < width ? key(a.vc, 2 * p + 1) : nullptr;
+    const uint16_t* v0 = value(2 * p, 0);
+    const uint16_t* v1 = 2 * p + 1 < width ? value(2 * p + 1, 1) : nullptr;
     uint16_t* o = tb.v.data() + p * 2 * D;
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i x = _mm512_loadu_si512(v0 + d), y = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();

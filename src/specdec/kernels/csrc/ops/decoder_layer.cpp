@@ -1,5 +1,6 @@
 #include "../common.h"
 #include "../ops.h"
+#include "kv_quant.h"
 
 #include <algorithm>
 
@@ -12,7 +13,8 @@ namespace {
 // down] as segments of blocks with their types; slots [B, T]: the cache slot of each new token; pages: as
 // `attention`'s.
 void write_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, const int64_t* pages, int64_t np) {
-  // src [B, T, KV, D] rows; cache [pages, KV, P, D]; slot s of row b: page pages[b][s / P] (or b), row s % P
+  // src [B, T, KV, D] rows; cache [pages, KV, P, D] (D: a row's elements, of src's dtype); slot s of row b:
+  // page pages[b][s / P] (or b), row s % P
   const int64_t B = src.size(0), Tn = src.size(1), KV = src.size(2), D = src.size(3), P = cache.size(2);
   const int64_t esize = src.element_size();
   const char* sp = static_cast<const char*>(src.data_ptr());
@@ -38,8 +40,10 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
                          c10::optional<at::Tensor> key_index, int64_t H, int64_t KV, c10::optional<at::Tensor> pages) {
   TORCH_CHECK(x.dim() == 3 && norms.size() == 2 && cos.dim() == 3, "decoder_layer: x [B, T, hidden], two norms");
   const int64_t B = x.size(0), Tn = x.size(1), Hd = x.size(2), D = cos.size(2);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == KV && k_cache.size(3) == D &&
-              v_cache.sizes() == k_cache.sizes(), "decoder_layer: cache shapes");
+  const bool q8 = k_cache.scalar_type() == at::kChar;  // Q8_0 rows (kv_quant.h): the new K/V encoded, then written
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == KV &&
+              k_cache.size(3) == (q8 ? q8_row_bytes(D) : D) && v_cache.sizes() == k_cache.sizes(),
+              "decoder_layer: cache shapes");
   slots = slots.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B * Tn, "decoder_layer: slots int64 [B, T]");
   at::Tensor table;  // checked by `attention` (which runs before any slot is read, after they are written)
@@ -60,8 +64,8 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
   const at::Tensor q = rope(qkv.narrow(2, 0, H * D).view({B, Tn, H, D}), cos, sin);
   const at::Tensor k = rope(qkv.narrow(2, H * D, KV * D).view({B, Tn, KV, D}), cos, sin);
   const at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, Tn, KV, D});
-  write_slots(k, k_cache, slots.data_ptr<int64_t>(), page_ptr, np);
-  write_slots(v, v_cache, slots.data_ptr<int64_t>(), page_ptr, np);
+  write_slots(q8 ? quantize_kv(k) : k, k_cache, slots.data_ptr<int64_t>(), page_ptr, np);
+  write_slots(q8 ? quantize_kv(v) : v, v_cache, slots.data_ptr<int64_t>(), page_ptr, np);
   const at::Tensor a = attention(q, k_cache, v_cache, visible, key_index, pages);
   const at::Tensor x1 = at::add(x, qmm(a.view({B * Tn, H * D}), o_w, o_t, c10::nullopt).view({B, Tn, Hd}));
   const at::Tensor gu = qmm(rms_norm(x1, norms[1], eps).view({B * Tn, Hd}), gu_w, gu_t, c10::nullopt);

@@ -1,0 +1,86 @@
+// Q8_0 rows of the K/V cache (`--kv-cache-dtype q8_0`, llama.cpp's `-ctk q8_0`): half the bytes of bf16 K/V,
+// which attention at depth reads at memory speed. A row of D values (D a multiple of 32) is D int8, then D / 32
+// fp16 scales: for each 32 values, d = fp16(max |x| / 127) (to nearest even) and q = x * (1 / d) rounded to
+// nearest even, clamped to +-127 (q = 0 where d = 0). A value reads back as q * d, exact in fp32. Each token's
+// row is encoded alone, so a token's bytes do not depend on the pass that wrote it (`KVCache.encode` in Python
+// computes the same IEEE operations: tests/test_attention.py compares them bit for bit).
+#pragma once
+#include "../common.h"
+
+namespace SPECDEC_QLIB {
+namespace {
+
+constexpr int64_t kQ8Block = 32;
+
+inline int64_t q8_row_bytes(int64_t D) { return D + D / kQ8Block * 2; }
+
+inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+inline void q8_encode(const float* x, int64_t D, char* row) {
+  int8_t* q = reinterpret_cast<int8_t*>(row);
+  for (int64_t b = 0; b < D / kQ8Block; ++b) {
+    const float* xb = x + b * kQ8Block;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const c10::Half d(amax / 127.0f);
+    const float df = static_cast<float>(d), id = df != 0.f ? 1.0f / df : 0.f;
+    for (int64_t i = 0; i < kQ8Block; ++i)
+      q[b * kQ8Block + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * id))));
+    const uint16_t bits = d.x;
+    std::memcpy(row + D + 2 * b, &bits, 2);
+  }
+}
+
+// a block's 32 values q * d, 16 (AVX-512) or 8 (AVX2) at a time, else one by one: the same products
+inline void q8_block_f32(const int8_t* q, float d, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i < kQ8Block; i += 16) {
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(d)));
+  }
+#elif defined(__AVX2__)
+  for (; i < kQ8Block; i += 8) {
+    const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(d)));
+  }
+#endif
+  for (; i < kQ8Block; ++i) out[i] = static_cast<float>(q[i]) * d;
+}
+
+inline float q8_scale(const char* row, int64_t D, int64_t b) {
+  uint16_t bits;
+  std::memcpy(&bits, row + D + 2 * b, 2);
+  return half_bits_to_float(bits);
+}
+
+inline void q8_to_f32(const char* row, float* out, int64_t D) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(row);
+  for (int64_t b = 0; b < D / kQ8Block; ++b) q8_block_f32(q + b * kQ8Block, q8_scale(row, D, b), out + b * kQ8Block);
+}
+
+// q * d rounded to bf16 (to nearest even): what the tile unit reads
+inline void q8_to_bf16(const char* row, uint16_t* out, int64_t D) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(row);
+  alignas(64) float f[kQ8Block];
+  for (int64_t b = 0; b < D / kQ8Block; ++b) {
+    q8_block_f32(q + b * kQ8Block, q8_scale(row, D, b), f);
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (; i < kQ8Block; i += 16) {
+      const __m512i u = _mm512_castps_si512(_mm512_load_ps(f + i));
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kQ8Block + i), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+    for (; i < kQ8Block; ++i) {
+      uint32_t u;
+      std::memcpy(&u, f + i, 4);
+      out[b * kQ8Block + i] = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace SPECDEC_QLIB
