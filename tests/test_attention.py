@@ -378,6 +378,15 @@ def long_model(tmp_path_factory):
     return model, tokenizer
 
 
+def greedy_run(engine, prompt: list[int], params):
+    """Run one request on `engine` to its end: its final output."""
+    engine.add_request("r", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    return final
+
+
 @pytest.mark.parametrize("length", [8192, 16384], ids=["8k", "16k"])
 def test_greedy_after_a_long_prompt_is_the_same_for_plain_and_every_drafter(long_model, length):
     """Plain decoding vs a draft model (the model itself), n-gram, suffix chains and suffix trees after a
@@ -399,12 +408,8 @@ def test_greedy_after_a_long_prompt_is_the_same_for_plain_and_every_drafter(long
     max_len = length + 64
 
     def generate(proposer=None, k: int = 0):
-        engine = Engine(model, tokenizer, proposer=proposer, num_speculative_tokens=k, max_model_len=max_len)
-        engine.add_request("r", prompt, params)
-        final = None
-        while engine.has_unfinished_requests():
-            final = next((o for o in engine.step() if o.finished), final)
-        return final
+        return greedy_run(Engine(model, tokenizer, proposer=proposer, num_speculative_tokens=k, max_model_len=max_len),
+                          prompt, params)
 
     plain = generate().token_ids
     drafters = {
@@ -452,11 +457,7 @@ def test_greedy_on_a_q8_0_cache_is_the_same_for_plain_and_every_drafter(model_of
         def generate(proposer=None, k: int = 0):
             engine = Engine(model, tokenizer, proposer=proposer, num_speculative_tokens=k, max_model_len=2112)
             assert engine.cache.keys[0].dtype == torch.int8
-            engine.add_request("r", prompt, params)
-            final = None
-            while engine.has_unfinished_requests():
-                final = next((o for o in engine.step() if o.finished), final)
-            return final
+            return greedy_run(engine, prompt, params)
 
         plain = generate().token_ids
         for name, (proposer, k) in {"draft model": (DraftModelProposer(model, 1, 2112, window=2112), 3),
