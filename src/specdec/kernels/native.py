@@ -35,14 +35,14 @@ _VNNI = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "
 # The builds of the block kernels, fastest first: the compiler's flags of each, and the CPU flags
 # (/proc/cpuinfo) it needs to run.
 ISA_FLAGS = {
-    "avx512amx": _VNNI + ["-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-DSPECDEC_AMX"],
+    "avx512amx": _VNNI + ["-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mavx512bf16", "-DSPECDEC_AMX"],
     "avx512vnni": _VNNI,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
 ISA_CPU_FLAGS = {
     "avx512amx": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-                            "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16"}),
+                            "avx512vbmi", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}),
     "avx512vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "generic": frozenset(),

@@ -14,7 +14,13 @@ constexpr int64_t kQ8Block = 32;
 
 inline int64_t q8_row_bytes(int64_t D) { return D + D / kQ8Block * 2; }
 
-inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline float half_bits_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
 
 inline void q8_encode(const float* x, int64_t D, char* row) {
   int8_t* q = reinterpret_cast<int8_t*>(row);
@@ -62,23 +68,23 @@ inline void q8_to_f32(const char* row, float* out, int64_t D) {
 // q * d rounded to bf16 (to nearest even): what the tile unit reads
 inline void q8_to_bf16(const char* row, uint16_t* out, int64_t D) {
   const int8_t* q = reinterpret_cast<const int8_t*>(row);
-  alignas(64) float f[kQ8Block];
   for (int64_t b = 0; b < D / kQ8Block; ++b) {
-    q8_block_f32(q + b * kQ8Block, q8_scale(row, D, b), f);
-    int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    for (; i < kQ8Block; i += 16) {
-      const __m512i u = _mm512_castps_si512(_mm512_load_ps(f + i));
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kQ8Block + i), _mm512_cvtepi32_epi16(r));
+    const float d = q8_scale(row, D, b);
+#if defined(__AVX512BF16__)
+    for (int64_t i = 0; i < kQ8Block; i += 16) {  // (VCVTNEPS2BF16: to nearest even, as below)
+      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kQ8Block + i)));
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(d)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kQ8Block + i), reinterpret_cast<const __m256i&>(h));
     }
-#endif
-    for (; i < kQ8Block; ++i) {
+#else
+    alignas(64) float f[kQ8Block];
+    q8_block_f32(q + b * kQ8Block, d, f);
+    for (int64_t i = 0; i < kQ8Block; ++i) {
       uint32_t u;
       std::memcpy(&u, f + i, 4);
       out[b * kQ8Block + i] = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
+#endif
   }
 }
 
