@@ -121,7 +121,8 @@ def test_llm_on_cpu_states_its_default_budget_and_honours_a_given_fraction(tiny_
 def test_a_q8_0_kv_cache_takes_fewer_bytes_a_token_and_drafts_decode_as_plain(tmp_path, quantization):
     """`kv_cache_dtype="q8_0"`: the plan counts 136 bytes a 128-value row (or the model's head size's), and
     greedy decoding with a draft model equals plain decoding on the same 8-bit cache, on the block kernels
-    (the C++ layer encodes each token) and on float weights (torch encodes, attention reads the decoded rows)."""
+    (the C++ layer encodes each token) and on float weights (torch encodes, attention reads the decoded rows),
+    also from a prefix-cache hit."""
     from specdec import LLM, SamplingParams
 
     tiny_gguf = tmp_path / "tiny32.gguf"
@@ -142,5 +143,7 @@ def test_a_q8_0_kv_cache_takes_fewer_bytes_a_token_and_drafts_decode_as_plain(tm
     ref = plain8.generate(prompt, params)[0]
     out = spec8.generate(prompt, params)[0]
     assert out.token_ids == ref.token_ids and out.metrics.num_drafts > 0
+    again = spec8.generate(prompt, params)[0]  # its prompt's blocks from the prefix cache, as 8-bit rows
+    assert again.metrics.cached_tokens > 0 and again.token_ids == ref.token_ids
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
         LLM(str(tiny_gguf), kv_cache_dtype="fp8", **kw)
