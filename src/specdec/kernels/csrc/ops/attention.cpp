@@ -30,7 +30,8 @@
 // Where a slot lives. The cache is [pages, KV, P, D]; slot s of sequence b is row s % P of page
 // pages[b][s / P] (paged K/V: a sequence's pages anywhere in a pool shared with the others), or, without a
 // table, of page b (one page a row: [rows, KV, capacity, D]). Where a slot lives changes which bytes are
-// read, never the operations on them.
+// read, never the operations on them. An int8 cache holds Q8_0 rows (`--kv-cache-dtype q8_0`, kv_quant.h),
+// each read as its values q * d: in fp32 here (exactly), in bf16 on the tiles.
 #include "../common.h"
 #include "../ops.h"
 #include "kv_quant.h"

@@ -1,8 +1,8 @@
-// Q8_0 rows of the K/V cache (`--kv-cache-dtype q8_0`, llama.cpp's `-ctk q8_0`): half the bytes of bf16 K/V,
-// which attention at depth reads at memory speed. A row of D values (D a multiple of 32) is D int8, then D / 32
+// Q8_0 rows of the K/V cache (`--kv-cache-dtype q8_0`, llama.cpp's `-ctk q8_0`): 136 bytes where a bf16 row of
+// 128 values takes 256, so 1.9x the tokens in the same memory (reading them back costs some speed). A row of D values (D a multiple of 32) is D int8, then D / 32
 // fp16 scales: for each 32 values, d = fp16(max |x| / 127) (to nearest even) and q = x * (1 / d) rounded to
 // nearest even, clamped to +-127 (q = 0 where d = 0). A value reads back as q * d, exact in fp32. Each token's
-// row is encoded alone, so a token's bytes do not depend on the pass that wrote it (`KVCache.encode` in Python
+// row is encoded alone, so a token's bytes do not depend on the pass that wrote it (`q8_encode` in Python
 // computes the same IEEE operations: tests/test_attention.py compares them bit for bit).
 #pragma once
 #include "../common.h"
