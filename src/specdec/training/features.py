@@ -143,7 +143,9 @@ def greedy_answers(target, tokenizer, prompts: list[list[int]], max_tokens: int,
                 continue  # (a line cut short by the interruption)
             if 0 <= i < len(tails) and row.get("prompt") == tails[i] and row.get("max_tokens") == max_tokens:
                 done[str(i)] = row["answer"]
-    engine = Engine(target, tokenizer, max_model_len=4096, max_batch_size=batch_size)
+    # prompts read in passes of their own (not a few tokens inside each decoding step, which keeps a chat's
+    # latency and here left most rows waiting): every request is queued at once, so decoding steps run full
+    engine = Engine(target, tokenizer, max_model_len=4096, max_batch_size=batch_size, prefill_itl_factor=None)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for i, ids in enumerate(tails):
         if str(i) not in done:
