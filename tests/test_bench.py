@@ -48,6 +48,8 @@ def test_method_names_map_to_speculative_configs():
     assert parse_method("draft:d:vocab=65536", TARGET).spec.draft_vocab_size == 65536
     q4 = parse_method("draft:d:quant=q4_0:k=4", TARGET)
     assert (q4.name, q4.spec.draft_quantization) == ("draft:d:k=4:quant=q4_0", "q4_0")
+    heads_q4 = parse_method("eagle:h:quant=q4_0", TARGET)  # the heads' matrices (`load_heads`)
+    assert (heads_q4.name, heads_q4.spec.model, heads_q4.spec.draft_quantization) == ("eagle:h:k=3:quant=q4_0", "h", "q4_0")
     suffix = parse_method("suffix:tree:local", TARGET)  # K defaults to the trie's depth, as in vLLM
     assert suffix.name == "suffix:k=24:tree:local"
     assert (suffix.spec.tree, suffix.spec.suffix_decoding_max_cached_requests) == ("dynamic", 0)
@@ -55,7 +57,7 @@ def test_method_names_map_to_speculative_configs():
     for name in ("ngram:k=2", "draft:d:k=5:adaptive", "medusa:k=2:tree", "eagle:k=4:dynamic", "draft:d",
                  "suffix:k=8", "suffix:adaptive:tree", "suffix:local", "draft:d:k=4:vocab=32768",
                  "draft:d:k=4:vocab=32768:quant=q4_0", "draft:d:suffix", "auto", "auto:heads:k=2:local",
-                 "auto:shared", "suffix:shared", "draft:d:suffix:shared"):
+                 "auto:shared", "suffix:shared", "draft:d:suffix:shared", "medusa:k=2:quant=q4_0"):
         method = parse_method(name, TARGET)
         assert build_speculative_config(None, None, method.config_json) == method.spec
     assert parse_method("plain", TARGET) == Method("plain", None) and Method("plain", None).config_json is None
@@ -67,6 +69,7 @@ def test_bad_method_names_are_refused_clearly():
                          ("suffix:x", "suffix takes no model"), ("ngram:local", "ngram takes no model"),
                          ("plain:k=2", "plain takes no options"), ("draft:d:e", "unknown option"),
                          ("draft:d:vocab=0", "vocab must be"), ("ngram:vocab=8", "ngram takes no model"),
+                         ("suffix:quant=q4_0", "suffix takes no model"),
                          ("draft:d:quant=q3", "draft_quantization must be one of")]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad, TARGET)

@@ -101,26 +101,28 @@ def plain_outputs(pair):
     return outs
 
 
-HEAD_CONFIGS = {  # name: (shipped heads qwen2.5-coder-1.5b-instruct-HEADS, K, tree)
-    "medusa chain K=3": ("medusa", 3, None),
-    "medusa tree": ("medusa", 3, "default"),
-    "eagle chain K=4": ("eagle", 4, None),
-    "eagle dynamic tree": ("eagle", 4, "dynamic"),
-    "eagle3 chain K=3": ("eagle3", 3, None),
+HEAD_CONFIGS = {  # name: (shipped heads qwen2.5-coder-1.5b-instruct-HEADS, K, tree, their matrices' format)
+    "medusa chain K=3": ("medusa", 3, None, "auto"),
+    "medusa tree": ("medusa", 3, "default", "auto"),
+    "eagle chain K=4": ("eagle", 4, None, "auto"),
+    "eagle dynamic tree": ("eagle", 4, "dynamic", "auto"),
+    "eagle3 chain K=3": ("eagle3", 3, None, "auto"),
+    "eagle3 chain K=3, q4_0": ("eagle3", 3, None, "q4_0"),
 }
 HEAD_PROMPTS = 2  # of the 3: each tree node is a target row, which costs time on this CPU
 
 
 @pytest.mark.parametrize("name", list(HEAD_CONFIGS))
 def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
-    """The Medusa, EAGLE and EAGLE-3 heads shipped for the default target, chain and tree: speculative == plain."""
+    """The Medusa, EAGLE and EAGLE-3 heads shipped for the default target, chain and tree, their matrices in
+    Q8_0 or Q4_0: speculative == plain."""
     from specdec.heads.modules import load_heads, resolve_heads
     from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
     from specdec.speculative.tree import DynamicTree
 
-    heads, k, tree = HEAD_CONFIGS[name]
+    heads, k, tree, fmt = HEAD_CONFIGS[name]
     method = "eagle" if heads.startswith("eagle") else heads
-    head = load_heads(resolve_heads(f"qwen2.5-coder-1.5b-instruct-{heads}"), pair.target, method)
+    head = load_heads(resolve_heads(f"qwen2.5-coder-1.5b-instruct-{heads}"), pair.target, method, fmt)
     shape = {None: None, "default": default_tree(k), "dynamic": DynamicTree(top_k=2, beam=1)}[tree]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     accepted = 0

@@ -291,6 +291,62 @@ def test_an_eagle_head_on_the_block_kernels_runs_its_layer_as_one_op(tmp_path, f
     assert torch.allclose(outs[0], outs[2], atol=0.15, rtol=0.05)
 
 
+def test_heads_in_q4_0_read_half_the_bytes_and_compute_what_the_float_heads_compute(tmp_path):
+    """`load_heads(quantization="q4_0")` (`draft_quantization` in a speculative config): every matrix of an
+    EAGLE-3 head and of Medusa heads, and the output rows for their vocabulary, in Q4_0 blocks on the block
+    kernels; their logits close to the float heads' (Q4_0's rounding), the same bits on every run; fewer bytes
+    than in Q8_0. A format heads cannot run in, or Q4_0 beside a float target, is refused."""
+    from test_tokenizer import write_tiny_gguf
+
+    from specdec.api import load_model
+    from specdec.heads.modules import head_bytes, read_heads_config
+    from specdec.kernels.qgemm import Q4_0
+    from specdec.models.qlinear import QuantLinear
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    target, _, _ = load_model(str(path), torch.bfloat16, torch.device("cpu"), "gguf")
+    H = target.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(1, 9, 2 * H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 9), generator=gen)
+    eagle = eagle3_head(target)
+    medusa = MedusaHeads(HeadsConfig.for_target("medusa", target, "tiny", vocab_size=64, num_heads=2))
+    with torch.no_grad():
+        for p in medusa.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5, generator=torch.Generator().manual_seed(4))
+    save_heads(eagle, tmp_path / "eagle3")
+    save_heads(medusa, tmp_path / "medusa")
+
+    def logits(head):
+        with torch.no_grad():
+            if isinstance(head, MedusaHeads):
+                return head(states[0, :, H:]).float()
+            return head.logits(head(head.features(states)[:, :8], ids[:, 1:], torch.arange(8)[None],
+                                    head.new_cache(1, 16))).float()
+
+    for name in ("eagle3", "medusa"):
+        as_float = load_heads(tmp_path / name, target, quantization="none")
+        q8, q4 = (load_heads(tmp_path / name, target, quantization=f) for f in ("q8_0", "q4_0"))
+        assert as_float.weight_format == "none" and q8.weight_format == "q8_0" and q4.weight_format == "q4_0"
+        blocks = [m for m in q4.modules() if isinstance(m, QuantLinear)]
+        assert q4.lm_head in blocks and len(blocks) >= (5 if name == "eagle3" else 3)
+        assert all(m.types == [Q4_0] * len(m.types) for m in blocks)
+        assert not any(isinstance(m, torch.nn.Linear) for m in q4.modules())
+        assert head_bytes(q4) < 0.75 * head_bytes(q8)
+        reference, got = logits(as_float), logits(q4)
+        assert torch.equal(got, logits(q4))
+        scale = reference.abs().max()
+        assert (got - reference).abs().max() <= 0.2 * scale, name
+        assert (logits(q8) - reference).abs().max() <= (got - reference).abs().max()  # Q4_0 rounds more
+        assert read_heads_config(tmp_path / name).method == ("eagle" if name == "eagle3" else "medusa")
+    with pytest.raises(ValueError, match="heads run their matrices as q8_0, q4_0 or none"):
+        load_heads(tmp_path / "eagle3", target, quantization="int8")
+    with pytest.raises(ValueError, match="run on the block kernels"):
+        load_heads(tmp_path / "eagle3", tiny_model("qwen2"), quantization="q4_0")
+
+
 def test_an_eagle3_head_started_from_an_eagle_head_computes_what_that_head_computes():
     """`init_from_eagle`: the fusion passes the final hidden state through, the layers' parts weighted 0."""
     target = tiny_model("qwen2", seed=0)

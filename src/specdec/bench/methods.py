@@ -13,9 +13,11 @@
                                    `quant=Q`: its weight format (`draft_quantization`, e.g. q4_0);
                                    `suffix`: suffix drafts beside it (what `--speculative-model` runs;
                                    without it, the draft model alone)
-    medusa[:HEADS][:k=K][:tree]    Medusa heads (default: those shipped for the target, TARGET-medusa)
-    eagle[:HEADS][:k=K][:tree|:dynamic]
-    auto[:DRAFTER][:k=K][:adaptive][:local][:shared][:tree]
+    medusa[:HEADS][:k=K][:tree][:quant=Q]
+                                   Medusa heads (default: those shipped for the target, TARGET-medusa);
+                                   `quant=Q`: their matrices' format (q8_0, the default, or q4_0)
+    eagle[:HEADS][:k=K][:tree|:dynamic][:quant=Q]
+    auto[:DRAFTER][:k=K][:adaptive][:local][:shared][:tree][:quant=Q]
                                    auto speculation: per sequence and step, suffix drafts or the second
                                    drafter's (heads or a draft model; default: the heads shipped for the
                                    target, none if there are none), whichever pays (what `serve` runs by default);
@@ -104,7 +106,7 @@ def parse_method(text: str, target: str) -> Method:
             if not part[6:].isdigit() or int(part[6:]) < 1:
                 raise ValueError(f"{text!r}: vocab must be a whole number >= 1")
             vocab = int(part[6:])
-        elif part.startswith("quant=") and kind == "draft":
+        elif part.startswith("quant=") and kind in ("draft", "medusa", "eagle", "auto"):
             quant = part[6:]
         elif model is None and part:
             model = part

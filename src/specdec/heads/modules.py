@@ -36,12 +36,15 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.data import DATA_DIR
-from specdec.kernels.qgemm import quantize_q8_0
+from specdec.kernels.qgemm import Q4_0, Q4_K, quantize_q4_0, quantize_q8_0
 from specdec.models.kv_cache import KVCache
 from specdec.models.llama import Attention, DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq, rope_tables
 from specdec.models.qlinear import Q8_0, QuantLinear
 
 HEAD_METHODS = ("medusa", "eagle")
+# the heads' matrices on the block kernels (`to_block_kernels`): Q8_0 (the default), or Q4_0 (about half the
+# bytes a pass reads, the output rows too); drafts change with it, outputs never do
+HEAD_FORMATS = {"q8_0": (quantize_q8_0, Q8_0), "q4_0": (quantize_q4_0, Q4_0)}
 
 
 class HeadsMismatchError(ValueError):
@@ -128,6 +131,7 @@ class _Head(nn.Module):
         self.register_buffer("lm_rows", torch.zeros(config.vocab_size, config.hidden_size), persistent=False)
         self.lm_head: QuantLinear | None = None  # the target's own blocks for these rows (see to_block_kernels)
         self.dtype = torch.float32  # of the activations; set by attach
+        self.weight_format = "none"  # of the matrices: float, or a `HEAD_FORMATS` key (`to_block_kernels`)
 
     def attach(self, target) -> "_Head":
         """Take the target's output rows (and embedding, for EAGLE); move to its device and dtype."""
@@ -136,17 +140,23 @@ class _Head(nn.Module):
         self.lm_rows = target.output_weights(self.vocab_ids).to(target.device, self.dtype)
         return self
 
-    def to_block_kernels(self, target) -> "_Head":
-        """Run on the target's block kernels (a target loaded from GGUF blocks): the output layer is the
-        target's own blocks for the reduced vocabulary, every other matrix Q8_0. Inference only."""
+    def to_block_kernels(self, target, fmt: str = "q8_0") -> "_Head":
+        """Run on the target's block kernels (a target loaded from GGUF blocks): every matrix in `fmt`
+        (`HEAD_FORMATS`), the output layer the target's own blocks for the reduced vocabulary (with "q4_0",
+        rows of more than Q4_0's 4.5 bits a weight requantized to Q4_0, as a draft model's are). Inference only."""
+        quantize, qtype = HEAD_FORMATS[fmt]
+        self.weight_format = fmt
         self.lm_head = target.output_rows(self.vocab_ids)
+        if fmt == "q4_0" and any(t not in (Q4_0, Q4_K) for t in self.lm_head.types):
+            rows = self.lm_head.dequantize_rows(torch.arange(self.lm_head.out_features))
+            self.lm_head = QuantLinear([(quantize_q4_0(rows), Q4_0)], self.lm_head.in_features)
         self.lm_rows = torch.zeros(0, self.config.hidden_size, dtype=self.dtype)
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-                    blocks = quantize_q8_0(child.weight.detach().float())
+                    blocks = quantize(child.weight.detach().float())
                     bias = None if child.bias is None else child.bias.detach().float()
-                    setattr(parent, name, QuantLinear([(blocks, Q8_0)], child.in_features, bias))
+                    setattr(parent, name, QuantLinear([(blocks, qtype)], child.in_features, bias))
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -236,17 +246,17 @@ class EagleHead(_Head):
     def new_cache(self, batch_size: int, capacity: int, num_pages: int | None = None) -> KVCache:
         return KVCache(self.config.layer_config(), batch_size, capacity, self.dtype, self.vocab_ids.device, num_pages)
 
-    def to_block_kernels(self, target) -> "EagleHead":
+    def to_block_kernels(self, target, fmt: str = "q8_0") -> "EagleHead":
         """As `_Head.to_block_kernels`, and the decoder layer run as the target's layers run: Q/K/V and
-        gate/up as one Q8_0 matrix each, norms, rope and attention as CPU ops, the whole layer as one op
+        gate/up as one matrix each, norms, rope and attention as CPU ops, the whole layer as one op
         (`DecoderLayer.fuse`), so a head pass is one kernel call for the layer instead of a dozen torch ops
         and a Python loop over query blocks."""
         attn, mlp = self.layer.self_attn, self.layer.mlp
         if self.config.hidden_size % 32 or self.config.intermediate_size % 32 or attn.o_proj.in_features % 32:
-            return super().to_block_kernels(target)  # rows that do not fill Q8_0 blocks stay float
-        attn.fuse_qkv(_q8_linear([attn.q_proj, attn.k_proj, attn.v_proj]))
-        mlp.fuse_gate_up(_q8_linear([mlp.gate_proj, mlp.up_proj]))
-        super().to_block_kernels(target)  # fc, o_proj, down_proj
+            return super().to_block_kernels(target, fmt)  # rows that do not fill blocks stay float
+        attn.fuse_qkv(_block_linear([attn.q_proj, attn.k_proj, attn.v_proj], fmt))
+        mlp.fuse_gate_up(_block_linear([mlp.gate_proj, mlp.up_proj], fmt))
+        super().to_block_kernels(target, fmt)  # fc, fuse, o_proj, down_proj
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention)):
                 module.fused = True
@@ -330,9 +340,10 @@ class TokenRows:
         return self.size * self.row_bytes
 
 
-def _q8_linear(linears: list[nn.Linear]) -> QuantLinear:
-    """One Q8_0 `QuantLinear` computing concat(linear(x) for linears), biases concatenated (all or none)."""
-    parts = [(quantize_q8_0(m.weight.detach().float()), Q8_0) for m in linears]
+def _block_linear(linears: list[nn.Linear], fmt: str) -> QuantLinear:
+    """One `QuantLinear` in `fmt` computing concat(linear(x) for linears), biases concatenated (all or none)."""
+    quantize, qtype = HEAD_FORMATS[fmt]
+    parts = [(quantize(m.weight.detach().float()), qtype) for m in linears]
     biases = [m.bias for m in linears if m.bias is not None]
     bias = torch.cat([b.detach().float() for b in biases]) if biases else None
     return QuantLinear(parts, linears[0].in_features, bias)
@@ -403,9 +414,15 @@ def is_heads_folder(name_or_path: str) -> bool:
     return True
 
 
-def load_heads(directory: str | Path, target, method: str | None = None) -> _Head:
-    """Heads from `directory`, attached to `target` in its dtype. Refuses heads of another method or
-    trained for another target."""
+def load_heads(directory: str | Path, target, method: str | None = None, quantization: str = "auto") -> _Head:
+    """Heads from `directory`, attached to `target` in its dtype: on a target on the block kernels, their
+    matrices in `quantization` ("auto" or "q8_0": Q8_0; "q4_0": Q4_0, `HEAD_FORMATS`; "none": float). Refuses
+    heads of another method or trained for another target, and a format they cannot run in."""
+    fmt = "q8_0" if quantization == "auto" else quantization
+    if fmt not in (*HEAD_FORMATS, "none"):
+        raise ValueError(f"heads run their matrices as {', '.join(HEAD_FORMATS)} or none (float), not {quantization!r}")
+    if fmt != "none" and quantization != "auto" and not target.on_block_kernels:
+        raise ValueError(f"heads in {fmt} run on the block kernels, with a target on them (a GGUF on CPU)")
     config = read_heads_config(directory)
     if method is not None and config.method != method:
         raise ValueError(f"{directory} holds {config.method} heads, not {method}")
@@ -419,7 +436,7 @@ def load_heads(directory: str | Path, target, method: str | None = None) -> _Hea
     state = load_file(str(Path(directory) / "model.safetensors"))
     head.load_state_dict(state)
     head = head.to(dtype=target.dtype).attach(target).requires_grad_(False).eval()
-    return head.to_block_kernels(target) if target.on_block_kernels else head
+    return head.to_block_kernels(target, fmt) if target.on_block_kernels and fmt != "none" else head
 
 
 def head_bytes(head: nn.Module) -> int:

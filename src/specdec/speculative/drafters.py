@@ -73,7 +73,8 @@ class Drafters:
                 "suffix_decoding_share_unsalted")})
             info["suffix_cache_bytes"] = suffix_cache_bytes
         if self.heads is not None:
-            info.update(heads=self.heads.config.method, tree=spec.tree, heads_training=self.heads.config.training)
+            info.update(heads=self.heads.config.method, tree=spec.tree, heads_training=self.heads.config.training,
+                        draft_quantization=self.heads.weight_format)
         return info
 
 
@@ -102,14 +103,15 @@ def load_target_heads(spec: SpeculativeConfig | None, target) -> torch.nn.Module
     target (None where there are none: auto speculation is then suffix drafts alone)."""
     if spec is None or spec.num_speculative_tokens == 0:
         return None
+    fmt = spec.draft_quantization  # (the heads' matrices: `load_heads`)
     if spec.method == "auto":
         if spec.model:
-            return load_heads(resolve_heads(spec.model), target) if is_heads_folder(spec.model) else None
+            return load_heads(resolve_heads(spec.model), target, quantization=fmt) if is_heads_folder(spec.model) else None
         folder = shipped_heads(target)
-        return None if folder is None else load_heads(folder, target)
+        return None if folder is None else load_heads(folder, target, quantization=fmt)
     if spec.method not in ("medusa", "eagle"):
         return None
-    return load_heads(resolve_heads(spec.model), target, spec.method)
+    return load_heads(resolve_heads(spec.model), target, spec.method, fmt)
 
 
 def _draft_model_name(spec: SpeculativeConfig) -> str | None:
