@@ -11,6 +11,7 @@ turns turn by turn):
     seed        specdec serve TARGET --speculative-model DRAFT --num-speculative-tokens 5 (the seed's command)
     suffix      specdec serve TARGET --speculative-config '{"method": "suffix"}'
     medusa      specdec serve TARGET --speculative-config '{"method": "medusa", ..., "num_speculative_tokens": 2}'
+    auto-eagle3 auto speculation with the EAGLE-3 head in Q4_0 beside the tries instead of the Medusa heads
 Every specdec server gets --max-model-len 8192 (a turn's prompt and answer exceed 4096). llama.cpp's binary:
 by default a native build under ../llama-native (see benchmarks/bench_kernels.py for how to build one), else the
 AVX2 copy under ../shared/tools; that mode is skipped if neither exists. Prints a table (the first mode is the
@@ -39,6 +40,8 @@ SPECDEC_MODES = {
     "suffix": ["--speculative-config", '{"method": "suffix"}'],
     "medusa": ["--speculative-config", json.dumps({"method": "medusa", "model": f"{TARGET}-medusa",
                                                    "num_speculative_tokens": 2})],
+    "auto-eagle3": ["--speculative-config", json.dumps({"method": "auto", "model": f"{TARGET}-eagle3",
+                                                        "draft_quantization": "q4_0"})],
 }
 
 
