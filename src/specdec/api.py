@@ -138,7 +138,7 @@ class LLM:
         self.dtype = torch.bfloat16 if self.quantization != "none" else resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
         self.target, self.tokenizer, self.target_path = load_model(model, self.dtype, self.device, self.quantization)
-        self.kv_cache_dtype = self.target.kv_format = kv_cache_dtype  # (a draft model's caches: the same, below)
+        self.kv_cache_dtype = self.target.kv_format = kv_cache_dtype  # (a draft model's caches: the same, `load_drafters`)
         self.load_time = time.perf_counter() - t0
         self.model_name = model
         # the model's own context unless asked for less (as vLLM), lowered by the plan if one sequence does not fit
@@ -146,10 +146,8 @@ class LLM:
                                  self.target.config.max_position_embeddings)
         self.spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
         self.drafters = load_drafters(self.spec, self.target, self.tokenizer, load_model, device=self.device,
-                                      dtype=self.dtype)
+                                      dtype=self.dtype, kv_format=kv_cache_dtype)
         self.heads, self.draft_model = self.drafters.heads, self.drafters.draft_model
-        if self.draft_model is not None:
-            self.draft_model.kv_format = kv_cache_dtype
         total = device_memory(self.device)  # None: 0.9 of a GPU; on CPU the weights + 4 GiB for caches (memory.py)
         budget, cache_space = default_budget(self.device, total) if memory_utilization is None else \
             (int(memory_utilization * total), None)
@@ -190,9 +188,8 @@ class LLM:
             llm = LLM("qwen2.5-coder-1.5b-instruct")
             ngram = llm.engine_for(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
         """
-        drafters = load_drafters(spec, self.target, self.tokenizer, load_model, device=self.device, dtype=self.dtype)
-        if drafters.draft_model is not None:
-            drafters.draft_model.kv_format = self.kv_cache_dtype
+        drafters = load_drafters(spec, self.target, self.tokenizer, load_model, device=self.device, dtype=self.dtype,
+                                 kv_format=self.kv_cache_dtype)
         proposer = build_proposer(spec, vocab_size=self.target.config.vocab_size, max_num_seqs=1,
                                   max_model_len=self.memory_plan.row_len or self.max_model_len,
                                   draft_model=drafters.draft_model, heads=drafters.heads,

@@ -36,10 +36,10 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.data import DATA_DIR
-from specdec.kernels.qgemm import Q4_0, Q4_K, quantize_q4_0, quantize_q8_0
+from specdec.kernels.qgemm import Q4_0, quantize_q4_0, quantize_q8_0
 from specdec.models.kv_cache import KVCache
 from specdec.models.llama import Attention, DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq, rope_tables
-from specdec.models.qlinear import Q8_0, QuantLinear
+from specdec.models.qlinear import Q8_0, QuantLinear, kernel_blocks
 
 HEAD_METHODS = ("medusa", "eagle")
 # the heads' matrices on the block kernels (`to_block_kernels`): Q8_0 (the default), or Q4_0 (about half the
@@ -147,9 +147,10 @@ class _Head(nn.Module):
         quantize, qtype = HEAD_FORMATS[fmt]
         self.weight_format = fmt
         self.lm_head = target.output_rows(self.vocab_ids)
-        if fmt == "q4_0" and any(t not in (Q4_0, Q4_K) for t in self.lm_head.types):
-            rows = self.lm_head.dequantize_rows(torch.arange(self.lm_head.out_features))
-            self.lm_head = QuantLinear([(quantize_q4_0(rows), Q4_0)], self.lm_head.in_features)
+        if fmt == "q4_0":
+            lm = self.lm_head
+            parts = [kernel_blocks(w, t, lm.in_features, Q4_0) for w, t in zip(lm.blocks, lm.types)]
+            self.lm_head = QuantLinear(parts, lm.in_features, lm.bias)
         self.lm_rows = torch.zeros(0, self.config.hidden_size, dtype=self.dtype)
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):

@@ -84,8 +84,9 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 def load_drafters(spec: SpeculativeConfig | None, target, tokenizer, load_model: ModelLoader, *,
-                  device: torch.device, dtype: torch.dtype) -> Drafters:
-    """Load what `spec` drafts with, for `target` (and its tokenizer, which a draft model's must match)."""
+                  device: torch.device, dtype: torch.dtype, kv_format: str = "auto") -> Drafters:
+    """Load what `spec` drafts with, for `target` (and its tokenizer, which a draft model's must match); a draft
+    model's K/V caches in `kv_format` (`--kv-cache-dtype`, as the target's)."""
     if spec is None or spec.num_speculative_tokens == 0:
         return Drafters()
     name = _draft_model_name(spec)
@@ -94,6 +95,7 @@ def load_drafters(spec: SpeculativeConfig | None, target, tokenizer, load_model:
         draft_dtype = resolve_dtype(spec.draft_dtype, device) if spec.draft_dtype else dtype
         draft, draft_tokenizer, _ = load_model(name, draft_dtype, device, quantization)
         check_draft_compatible(tokenizer, draft_tokenizer, target.config, draft.config)
+        draft.kv_format = kv_format
         return Drafters(draft_model=draft, draft_quantization=quantization)
     return Drafters(heads=load_target_heads(spec, target))
 
