@@ -46,7 +46,7 @@ def training_head(folder: Path, llm: LLM, cfg: TrainConfig):
     if tuple(config.feature_layers) != cfg.feature_layers:
         raise ValueError(f"{folder} fuses layers {config.feature_layers}; run with --feature-layers to match")
     state = load_file(str(folder / "model.safetensors"))
-    head = _trainable_heads(llm.target, TARGET, cfg, state["vocab_ids"])
+    head = _trainable_heads(llm.target, TARGET, cfg, state["vocab_ids"], config.intermediate_size)
     head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return head
 

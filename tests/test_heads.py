@@ -190,6 +190,13 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
     assert head.features(torch.zeros(2, 2 * 64, dtype=torch.bfloat16)).shape == (2, 64)
     again = train_heads(target, ByteTokenizer(), "tiny", cfg)
     assert again["train_time_s"] == report["train_time_s"] and again["curve"] == report["curve"]
+    # continued with a wider MLP (--init-from, --intermediate-size): the report names its start
+    import dataclasses
+    wider = dataclasses.replace(cfg, out=tmp_path / "wider", features=tmp_path / "heads" / "features", epochs=1,
+                                init_from=tmp_path / "heads", intermediate_size=2 * head.config.intermediate_size)
+    grown = train_heads(target, ByteTokenizer(), "tiny", wider)
+    assert grown["init_from"] == str(tmp_path / "heads") and report["init_from"] is None
+    assert load_heads(tmp_path / "wider", target, "eagle").config.intermediate_size == wider.intermediate_size
 
 
 def test_held_out_tasks_evaluate_on_humaneval_eval_split_tasks_and_train_on_every_window(tmp_path):
@@ -369,6 +376,39 @@ def test_an_eagle3_head_started_from_an_eagle_head_computes_what_that_head_compu
         outs = [h(h.features(s)[:, :8], ids[:, 1:], torch.arange(8)[None], h.new_cache(1, 8))
                 for h, s in ((head, states), (first, states[..., H:]))]
     assert torch.allclose(*outs, atol=1e-5)
+
+
+def test_an_eagle3_head_grown_to_a_wider_mlp_starts_out_computing_what_the_narrow_head_computes(tmp_path):
+    """--init-from with a wider --intermediate-size: the narrow head's units first, the new units' down
+    columns 0 (their gate and up rows as initialized, so they can learn); a narrower head is refused."""
+    from specdec.training.train import _eagle_start
+
+    target = tiny_model("qwen2", seed=0)
+    narrow = eagle3_head(target, steps_seed=7)
+    narrow.vocab_ids = torch.arange(5, 69)
+    save_heads(narrow, tmp_path / "narrow")
+    width = narrow.config.intermediate_size
+    config = HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64, feature_layers=(0,),
+                                    intermediate_size=2 * width)
+    wide = EagleHead(config)
+    start = _eagle_start(tmp_path / "narrow", target, (0,))  # (the narrow head as saved)
+    wide.init_from_eagle(start)
+    wide.attach(target)
+    start.attach(target)
+    mlp = wide.layer.mlp
+    assert mlp.gate_proj.weight.shape == (2 * width, target.config.hidden_size)
+    assert torch.equal(mlp.down_proj.weight[:, width:], torch.zeros_like(mlp.down_proj.weight[:, width:]))
+    assert mlp.gate_proj.weight[width:].abs().sum() > 0 and mlp.up_proj.weight[width:].abs().sum() > 0
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(2))
+    _, states = target(ids, torch.arange(9)[None], target.new_cache(1, 9), return_hidden=True, feature_layers=(0,))
+    with torch.no_grad():
+        outs = [h(h.features(states)[:, :8], ids[:, 1:], torch.arange(8)[None], h.new_cache(1, 8))
+                for h in (wide, start)]
+    assert torch.allclose(*outs, atol=1e-5)
+    save_heads(wide, tmp_path / "wide")
+    config = HeadsConfig.for_target("eagle", target, "tiny", vocab_size=64, feature_layers=(0,))
+    with pytest.raises(ValueError, match=f"an MLP of {2 * width} units cannot start one of {width}"):
+        EagleHead(config).init_from_eagle(_eagle_start(tmp_path / "wide", target, (0,)))
 
 
 @pytest.mark.parametrize("kernels", ["block", "float"])

@@ -91,7 +91,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         method=args.method, out=Path(args.out), features=Path(args.features) if args.features else None,
         corpus_tokens=args.corpus_tokens, self_distill_prompts=args.self_distill_prompts,
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
-        num_heads=args.num_heads, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        num_heads=args.num_heads, intermediate_size=args.intermediate_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         eagle_cls_weight=args.cls_weight, feature_layers=tuple(args.feature_layers), ttt_steps=args.ttt_steps,
         curve_every=args.curve_every, solutions=args.solutions, distill_batch_size=args.distill_batch_size,
         distill_functions=args.distill_functions,
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--seq-len", type=int, default=256)
     heads.add_argument("--vocab-size", type=int, default=8192, help="reduced output vocabulary")
     heads.add_argument("--num-heads", type=int, default=3, help="Medusa heads")
+    heads.add_argument("--intermediate-size", type=int, default=0,
+                       help="EAGLE: units of the head's MLP (default: --init-from's, else 2/3 of the hidden size); "
+                            "wider than --init-from's grows that head")
     heads.add_argument("--epochs", type=int, default=4)
     heads.add_argument("--batch-size", type=int, default=4)
     heads.add_argument("--lr", type=float, default=1e-3)

@@ -229,20 +229,31 @@ class EagleHead(_Head):
         """Start from a trained EAGLE-1 head of the same shape: its layer, fc, norm and vocabulary, and a
         fusion that passes the final hidden state through (the layers' parts weighted 0), so that the new
         head starts out computing exactly what `other` computes. An EAGLE-3 head over the same layers is
-        taken whole."""
+        taken whole. A head with a wider MLP than `other`'s is grown: `other`'s units first, the new units'
+        gate and up rows as initialized and their down columns 0, so it too starts out as `other`."""
         self.vocab_ids = other.vocab_ids.clone()
-        if other.config.feature_layers:
-            if other.config.feature_layers != self.config.feature_layers:
-                raise ValueError(f"an EAGLE-3 head over layers {other.config.feature_layers} cannot start one "
-                                 f"over {self.config.feature_layers}")
-            self.load_state_dict(other.state_dict())
-            return
-        state = {k: v for k, v in other.state_dict().items() if not k.startswith(("fuse.", "feature_norms."))}
-        self.load_state_dict(state, strict=False)
-        H = self.config.hidden_size
+        if other.config.feature_layers and other.config.feature_layers != self.config.feature_layers:
+            raise ValueError(f"an EAGLE-3 head over layers {other.config.feature_layers} cannot start one "
+                             f"over {self.config.feature_layers}")
+        width, start_width = self.config.intermediate_size, other.config.intermediate_size
+        if start_width > width:
+            raise ValueError(f"an EAGLE head with an MLP of {start_width} units cannot start one of {width}")
+        mlp = ("layer.mlp.gate_proj.", "layer.mlp.up_proj.", "layer.mlp.down_proj.")
+        state = {k: v for k, v in other.state_dict().items()
+                 if not k.startswith(mlp) and (other.config.feature_layers or not k.startswith(("fuse.", "feature_norms.")))}
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if unexpected or any(not k.startswith(mlp + ("fuse.", "feature_norms.")) for k in missing):
+            raise ValueError(f"the EAGLE head to start from does not match: {sorted(missing + unexpected)[:4]}")
+        theirs = other.layer.mlp
         with torch.no_grad():
-            self.fuse.weight.zero_()
-            self.fuse.weight[:, -H:] = torch.eye(H)
+            for name in ("gate_proj", "up_proj"):
+                getattr(self.layer.mlp, name).weight[:start_width] = getattr(theirs, name).weight
+            self.layer.mlp.down_proj.weight.zero_()
+            self.layer.mlp.down_proj.weight[:, :start_width] = theirs.down_proj.weight
+            if not other.config.feature_layers:
+                H = self.config.hidden_size
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -H:] = torch.eye(H)
 
     def new_cache(self, batch_size: int, capacity: int, num_pages: int | None = None) -> KVCache:
         return KVCache(self.config.layer_config(), batch_size, capacity, self.dtype, self.vocab_ids.device, num_pages)

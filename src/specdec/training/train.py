@@ -47,6 +47,9 @@ class TrainConfig:
     seq_len: int = 256
     vocab_size: int = 8192
     num_heads: int = 3  # medusa
+    # eagle: the units of the head's MLP (0: those of --init-from's head, else `HeadsConfig.for_target`'s);
+    # wider than --init-from's grows that head (`EagleHead.init_from_eagle`)
+    intermediate_size: int = 0
     epochs: int = 4
     batch_size: int = 4
     lr: float = 1e-3
@@ -208,7 +211,8 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_
     start = _eagle_start(cfg.init_from, target, cfg.feature_layers) if cfg.init_from else None
     vocab_ids = start.vocab_ids if start is not None else \
         choose_vocab([shards[i] for i in order[n_eval:]], cfg.vocab_size, target.config.vocab_size)
-    head = _trainable_heads(target, target_name, cfg, vocab_ids)
+    width = cfg.intermediate_size or (start.config.intermediate_size if start is not None else 0)
+    head = _trainable_heads(target, target_name, cfg, vocab_ids, width)
     if start is not None:
         head.init_from_eagle(start)
     to_reduced = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
@@ -236,10 +240,17 @@ def _eagle_start(folder: Path, target, feature_layers: tuple[int, ...] = ()) -> 
     return head.float()
 
 
-def _trainable_heads(target, target_name: str, cfg: TrainConfig, vocab_ids: torch.Tensor) -> MedusaHeads | EagleHead:
+def _trainable_heads(target, target_name: str, cfg: TrainConfig, vocab_ids: torch.Tensor,
+                     intermediate_size: int = 0) -> MedusaHeads | EagleHead:
     """New heads for `target` over `vocab_ids`, in float32 on the CPU, reading the target's output rows and
-    (EAGLE) embeddings as normal tensors (the target may run in inference mode)."""
-    extra = {"num_heads": cfg.num_heads} if cfg.method == "medusa" else {"feature_layers": cfg.feature_layers}
+    (EAGLE) embeddings as normal tensors (the target may run in inference mode). An EAGLE head's MLP has
+    `intermediate_size` units (0: the default shape's)."""
+    if cfg.method == "medusa":
+        extra = {"num_heads": cfg.num_heads}
+    else:
+        extra = {"feature_layers": cfg.feature_layers}
+        if intermediate_size:
+            extra["intermediate_size"] = intermediate_size
     config = HeadsConfig.for_target(cfg.method, target, target_name, len(vocab_ids), **extra)
     head = (MedusaHeads if cfg.method == "medusa" else EagleHead)(config)
     head.vocab_ids = vocab_ids.clone()
@@ -334,6 +345,7 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "held_out_prompts": "HumanEval 0-99 and the first half of each Spec-Bench category are never trained on",
         "vocab_size": len(run.head.vocab_ids),
         "vocab_coverage_held_out": round(float((run.to_reduced[eval_labels] >= 0).float().mean()), 4),
+        "init_from": str(cfg.init_from) if cfg.init_from else None,
         "steps": run.total_steps,
         "epochs": cfg.epochs,
         "lr": cfg.lr,
