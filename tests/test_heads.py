@@ -170,6 +170,31 @@ def test_training_time_test_computes_what_the_head_computes_when_it_drafts():
             assert torch.allclose(node[0, 0], pred2[0, t], atol=1e-5), t
 
 
+def test_soft_labels_take_their_share_of_the_loss_against_the_targets_distribution():
+    """ttt_losses(soft=s) = (1 - s) x the loss against the target's greedy choices + s x the cross-entropy
+    against the target's distribution over the heads' vocabulary (its logits from the stored final states)."""
+    from specdec.training.losses import ttt_losses
+
+    target = tiny_model("qwen2", seed=0)
+    head = eagle3_head(target)
+    n, H = 8, target.config.hidden_size
+    ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(3))
+    logits, states = target(ids, torch.arange(n).expand(2, n), target.new_cache(2, n), return_hidden=True,
+                            feature_layers=(0,))
+    batch = {"hidden": states, "tokens": ids, "target_next": logits.argmax(-1)}
+    to_reduced = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
+    to_reduced[head.vocab_ids] = torch.arange(64)
+    with torch.no_grad():
+        hard, soft, half = (ttt_losses(head, batch, to_reduced, steps=2, soft=s)[0] for s in (0.0, 1.0, 0.5))
+        assert torch.allclose(half, (hard + soft) / 2, atol=1e-5) and not torch.allclose(hard, soft)
+        # one step by hand: the head's pass over the committed pairs, scored against the target's softmax
+        pred = head(head.features(states[:, :n - 1]), ids[:, 1:], torch.arange(n - 1).expand(2, n - 1),
+                    head.new_cache(2, n))
+        teacher = torch.matmul(states[:, 1:, -H:], target.output_weights(head.vocab_ids).t()).softmax(-1)
+        by_hand = -(teacher * head.logits(pred).log_softmax(-1)).sum(-1).mean()
+        assert torch.allclose(ttt_losses(head, batch, to_reduced, steps=1, soft=1.0)[0], by_hand, atol=1e-5)
+
+
 def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_path):
     target = tiny_model("qwen2", dtype=torch.bfloat16)
     cfg = TrainConfig(method="eagle", out=tmp_path / "heads", corpus_tokens=2048, self_distill_prompts=0,
@@ -193,9 +218,13 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
     # continued with a wider MLP (--init-from, --intermediate-size): the report names its start
     import dataclasses
     wider = dataclasses.replace(cfg, out=tmp_path / "wider", features=tmp_path / "heads" / "features", epochs=1,
-                                init_from=tmp_path / "heads", intermediate_size=2 * head.config.intermediate_size)
+                                init_from=tmp_path / "heads", intermediate_size=2 * head.config.intermediate_size,
+                                soft_labels=0.5)
     grown = train_heads(target, ByteTokenizer(), "tiny", wider)
     assert grown["init_from"] == str(tmp_path / "heads") and report["init_from"] is None
+    assert grown["soft_labels"] == 0.5 and report["soft_labels"] == 0.0
+    with pytest.raises(ValueError, match="soft_labels is a share of the loss"):
+        train_heads(target, ByteTokenizer(), "tiny", dataclasses.replace(wider, out=tmp_path / "y", soft_labels=2))
     assert load_heads(tmp_path / "wider", target, "eagle").config.intermediate_size == wider.intermediate_size
 
 

@@ -93,6 +93,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         self_distill_tokens=args.self_distill_tokens, seq_len=args.seq_len, vocab_size=args.vocab_size,
         num_heads=args.num_heads, intermediate_size=args.intermediate_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         eagle_cls_weight=args.cls_weight, feature_layers=tuple(args.feature_layers), ttt_steps=args.ttt_steps,
+        soft_labels=args.soft_labels,
         curve_every=args.curve_every, solutions=args.solutions, distill_batch_size=args.distill_batch_size,
         distill_functions=args.distill_functions,
         held_out_tasks=args.held_out_tasks, held_out_text=args.held_out_text,
@@ -158,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--seq-len", type=int, default=256)
     heads.add_argument("--vocab-size", type=int, default=8192, help="reduced output vocabulary")
     heads.add_argument("--num-heads", type=int, default=3, help="Medusa heads")
+    heads.add_argument("--soft-labels", type=float, default=0.0,
+                       help="EAGLE-3: the share of the loss against the target's distribution over the heads' "
+                            "vocabulary instead of its greedy choice alone (0-1)")
     heads.add_argument("--intermediate-size", type=int, default=0,
                        help="EAGLE: units of the head's MLP (default: --init-from's, else 2/3 of the hidden size); "
                             "wider than --init-from's grows that head")

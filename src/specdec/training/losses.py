@@ -62,14 +62,18 @@ def eagle_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, depth: 
     return loss, hits
 
 
-def ttt_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, steps: int = 3, decay: float = 0.8):
+def ttt_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, steps: int = 3, decay: float = 0.8,
+               soft: float = 0.0):
     """EAGLE-3's training-time test: the head run `steps` times on its own outputs, as it drafts.
 
     Step 1 at position t reads the target's feature of token t (`head.features`) and token t + 1; step k > 1
     reads the head's own output of step k - 1 at t and token t + k, at rope position t + k - 1, and guesses
     token t + k + 1 (the target's choice `target_next[t + k]`). Its attention sees what a drafted node sees:
     the step-1 pairs of positions <= t (the committed pairs) and its own chain, the outputs of steps 2..k at t
-    (`ttt_mask`). Loss: sum over steps of decay^(k-1) x cross-entropy. Returns the loss, per step (correct,
+    (`ttt_mask`). Loss: sum over steps of decay^(k-1) x cross-entropy, against the target's greedy choice, or
+    with `soft` > 0 (1 - soft) x that + soft x the cross-entropy against the target's distribution over the
+    heads' vocabulary (its logits there: the head's output rows, the target's, on the stored final states; more
+    of what the target knows per token than its choice alone). Returns the loss, per step (correct,
     counted) top-1 given the earlier steps' tokens, and per step whether the guess at each position agrees
     with the target (bool [B, T - steps]; `leading_agreement` of them: what a chain draft of `steps` tokens
     would accept there, teacher-forced).
@@ -91,6 +95,10 @@ def ttt_losses(head: EagleHead, batch: dict, to_reduced: torch.Tensor, steps: in
         logits = head.logits(pred)  # [B, n, V_r]
         labels = target_next[:, 1 + k:1 + k + n]
         cls = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), to_reduced[labels].reshape(-1), ignore_index=-100)
+        if soft:
+            with torch.no_grad():  # the target's distribution where it chose `labels`
+                teacher = head.logits(hidden[:, 1 + k:1 + k + n, -head.config.hidden_size:]).softmax(-1)
+            cls = (1 - soft) * cls - soft * (teacher * logits.log_softmax(-1)).sum(-1).mean()
         loss = loss + decay ** k * cls
         rights.append(head.vocab_ids[logits.argmax(-1)] == labels)  # [B, n]
         hits.append((int(rights[-1].sum()), labels.numel()))

@@ -69,6 +69,9 @@ class TrainConfig:
     # steps of training-time test (`ttt_losses`); empty: EAGLE-1's losses
     feature_layers: tuple[int, ...] = ()
     ttt_steps: int = 3
+    # EAGLE-3: the share of each step's loss taken against the target's distribution over the heads' vocabulary
+    # instead of its greedy choice alone (`ttt_losses`' soft)
+    soft_labels: float = 0.0
     curve_every: int = 0  # held-out top-1 every this many steps (the report's `curve`); 0: at the end only
     distill_batch_size: int = 4
     solutions: int = 0  # HumanEval training-split tasks whose prompt + reference solution are windows
@@ -91,6 +94,8 @@ class TrainConfig:
 def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     """Extract features (cached), train (resuming from the checkpoint), save the heads and report.json to
     cfg.out; return the report."""
+    if not 0 <= cfg.soft_labels <= 1:
+        raise ValueError(f"soft_labels is a share of the loss, 0-1, not {cfg.soft_labels}")
     if not 0 <= cfg.held_out_tasks <= 100:
         raise ValueError(f"held_out_tasks must be 0-100 (HumanEval's eval split), not {cfg.held_out_tasks}")
     if cfg.held_out_text not in HELD_OUT_TEXTS:
@@ -278,7 +283,7 @@ def _loop(run: _Run, cfg: TrainConfig) -> None:
     if cfg.method == "medusa":
         losses_fn = medusa_losses
     elif run.ttt_steps:
-        losses_fn = partial(ttt_losses, steps=run.ttt_steps)
+        losses_fn = partial(ttt_losses, steps=run.ttt_steps, soft=cfg.soft_labels)
     else:
         losses_fn = partial(eagle_losses, cls_weight=cfg.eagle_cls_weight)
     warmup = min(20, run.total_steps // 10)
@@ -350,7 +355,8 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "epochs": cfg.epochs,
         "lr": cfg.lr,
         **({"cls_weight": cfg.eagle_cls_weight} if cfg.method == "eagle" and not run.ttt_steps else {}),
-        **({"feature_layers": list(cfg.feature_layers), "ttt_steps": run.ttt_steps} if run.ttt_steps else {}),
+        **({"feature_layers": list(cfg.feature_layers), "ttt_steps": run.ttt_steps, "soft_labels": cfg.soft_labels}
+           if run.ttt_steps else {}),
         "batch_size": cfg.batch_size,
         "extract_time_s": round(extract_time, 1),
         "train_time_s": round(run.train_time, 1),
