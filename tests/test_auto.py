@@ -248,6 +248,40 @@ def test_auto_beside_medusa_equals_plain_and_uses_both(medusa):
     assert used.get("medusa", 0) > 0 and used.get("suffix", 0) > 0, used
 
 
+def test_the_heads_are_asked_only_where_they_could_beat_the_tries_draft(medusa):
+    """`AutoProposer._heads_bound`: a step asks the heads only for the rows where their best case could beat
+    the trie's draft. Step by step, the drafts chosen (tokens and drafter) are those of asking the heads at
+    every step, and the outputs plain decoding's, with fewer rows asked of the heads."""
+    from test_heads_engine import plain as heads_plain
+
+    def recorded(bound: bool):
+        engine = medusa_engine(medusa)
+        proposer = engine.proposer
+        proposer.bound_second = bound
+        chosen, asked = [], []
+        propose, draft = proposer.propose, proposer.second.draft
+
+        def spy_propose(seqs, ks):
+            proposal = propose(seqs, ks)
+            chosen.append([(d.tokens, d.source) for d in proposal.drafts])
+            return proposal
+
+        def spy_draft(seqs, ks):
+            asked.append(sum(1 for k in ks if k))
+            return draft(seqs, ks)
+
+        proposer.propose, proposer.second.draft = spy_propose, spy_draft
+        outs = [generate(engine, prompt, GREEDY).token_ids for prompt in PROMPTS + PROMPTS]
+        return outs, chosen, asked
+
+    outs, chosen, asked = recorded(True)
+    every_outs, every_chosen, every_asked = recorded(False)
+    assert outs == every_outs == [heads_plain("fp32", prompt) for prompt in PROMPTS + PROMPTS]
+    assert chosen == every_chosen
+    assert {source for step in chosen for _, source in step} >= {"suffix", "medusa"}
+    assert 0 < sum(asked) < sum(every_asked), (sum(asked), sum(every_asked))
+
+
 def test_two_drafter_trees_equal_plain(medusa):
     """With `tree`, one sequence at a time: where the trie and the heads disagree, the pass carries both
     branches (drafter "suffix+medusa"); greedy output stays plain decoding's, and trees were verified."""

@@ -16,6 +16,10 @@ are then cut together to the width that pays (`ByKind.width`). A draft model's t
 it drafts, probes and reads a prompt is `auto_model.ModelGate`'s to decide, from its measured acceptance and
 costs.
 
+The heads are asked only for the sequences where their best case could beat the trie's draft (`_heads_bound`:
+a chain of the kinds accepted most often at each depth): where a copy runs, the step saves the heads' passes and
+chooses what it would have chosen anyway.
+
 Exactness is unchanged: each sequence's draft comes whole from one drafter, point masses from the trie and the
 drafter's distribution from a draft model or heads, and is verified as it would be alone.
 
@@ -42,6 +46,16 @@ from specdec.speculative.auto_model import ModelGate, ModelRow
 from specdec.speculative.costs import AcceptanceEstimate, CostModel
 from specdec.speculative.controller import ByKind
 from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposal, Proposer, SuffixProposer
+
+
+def _reach_of(rates: list[float], lean: float) -> list[float]:
+    """E(w) for w = 1..len(rates) of a draft whose tokens are accepted at these rates (times `lean`, at most 1)."""
+    reach, total, out = 1.0, 0.0, []
+    for rate in rates:
+        reach *= min(1.0, rate * lean)
+        total += reach
+        out.append(total)
+    return out
 
 
 @dataclass
@@ -75,6 +89,8 @@ class AutoProposer(Proposer):
         self.tree = tree and self.labelled  # two-drafter trees (the trie's branch beside the heads')
         self.offset = suffix.guess_kinds  # the second drafter's kinds follow the trie's
         self.policy = ByKind(0, suffix.guess_kinds + (second.guess_kinds if self.labelled else 0))
+        # heads: asked only where their best case could beat the trie's draft (False: every step; the same choices)
+        self.bound_second = True
         self._costs = CostModel()  # until then
         self._rows: dict[str, _Row] = {}
         # a draft model as second drafter (unlabelled tokens, a cost per drafted token): its gate decides
@@ -114,22 +130,29 @@ class AutoProposer(Proposer):
 
     def _reach(self, kinds: list[int], lean: float) -> list[float]:
         """E(w) for w = 1..len(kinds): the expected accepted tokens of the draft cut to w tokens."""
-        reach, total, out = 1.0, 0.0, []
-        for kind in kinds:
-            reach *= min(1.0, self.policy.rates.rate(kind) * lean)
-            total += reach
-            out.append(total)
-        return out
+        return _reach_of([self.policy.rates.rate(kind) for kind in kinds], lean)
 
     def _value(self, kinds: list[int], lean: float) -> float:
         """The most tokens per second the labelled draft gives, cut where it pays best (0 cut: plain)."""
+        return self._value_of([self.policy.rates.rate(kind) for kind in kinds], lean)
+
+    def _value_of(self, rates: list[float], lean: float) -> float:
         base = self._pass(1)
+        reach = _reach_of(rates, lean)
         if base is None:  # nothing measured yet: the expected tokens alone
-            return 1.0 + (self._reach(kinds, lean)[-1] if kinds else 0.0)
+            return 1.0 + (reach[-1] if reach else 0.0)
         best = 1.0 / base
-        for w, e in enumerate(self._reach(kinds, lean), start=1):
+        for w, e in enumerate(reach, start=1):
             best = max(best, (1.0 + e) / self._pass(w + 1))
         return best
+
+    def _heads_bound(self, k: int, lean: float) -> float:
+        """What no draft of the heads up to k tokens can value more than: the value of a chain whose token
+        at each depth is of the kind accepted most often at that depth (every rate at least its draft's)."""
+        rates = self.policy.rates.rate
+        depth = min(k, self.second.max_depth)  # (the heads draft no deeper)
+        return self._value_of([max(rates(self.offset + kind) for kind in self.second.kinds_at(d))
+                               for d in range(depth)], lean)
 
     # ------------------------------------------------------------------------------------------- drafting
     def propose(self, seqs, ks) -> Proposal:
@@ -141,9 +164,16 @@ class AutoProposer(Proposer):
         values = [self._value(d.kinds or [], row.lean.lean) for d, row in zip(drafts, rows)]
         forward = None
         if self.labelled:
-            t0 = self.clock()
-            second = self.second.draft(seqs, [min(k, self.k) for k in ks])
-            forward = self.clock() - t0
+            # the heads are asked for the rows where their best case could beat the trie's draft (the choice
+            # below is the same without asking them where it cannot: a step's heads pass saved where a copy runs)
+            asks = [min(k, self.k) if self.tree or not self.bound_second or not drafts[b].tokens
+                    or self._heads_bound(min(k, self.k), rows[b].lean.lean) > values[b] else 0
+                    for b, k in enumerate(ks)]
+            second = [Draft([]) for _ in seqs]
+            if any(asks):
+                t0 = self.clock()
+                second = self.second.draft(seqs, asks)
+                forward = self.clock() - t0
             for b, (d, row) in enumerate(zip(second, rows)):
                 if not d.tokens:
                     continue

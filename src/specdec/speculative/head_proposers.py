@@ -63,6 +63,11 @@ class _FeatureProposer(Proposer):
         self.guess_kinds = 0 if tree is not None else max_depth * (len(self.SURENESS) + 1)
 
     @classmethod
+    def kinds_at(cls, depth: int) -> range:
+        """Every kind of a chain's token at `depth` (0: the first drafted). Example: depth 1 -> 6..11."""
+        return range(cls.kind_of(depth, 0.0), cls.kind_of(depth, 1.0) + 1)
+
+    @classmethod
     def kind_of(cls, depth: int, prob: float) -> int:
         """The kind of a chain's token at `depth` (0: the first drafted) that the head gives probability `prob`.
         Example: depth 1, prob 0.8 -> 1 * 6 + 4 = 10."""
