@@ -223,8 +223,12 @@ def test_eagle3_training_lowers_the_loss_reports_a_curve_saves_and_resumes(tmp_p
     grown = train_heads(target, ByteTokenizer(), "tiny", wider)
     assert grown["init_from"] == str(tmp_path / "heads") and report["init_from"] is None
     assert grown["soft_labels"] == 0.5 and report["soft_labels"] == 0.0
-    with pytest.raises(ValueError, match="soft_labels is a share of the loss"):
-        train_heads(target, ByteTokenizer(), "tiny", dataclasses.replace(wider, out=tmp_path / "y", soft_labels=2))
+    for bad, message in (({"soft_labels": 2}, "soft_labels is a share of the loss"),
+                         ({"feature_layers": ()}, "soft_labels apply to EAGLE-3 heads"),
+                         ({"method": "medusa", "soft_labels": 0.0}, "Medusa heads have none")):
+        with pytest.raises(ValueError, match=message):
+            train_heads(target, ByteTokenizer(), "tiny", dataclasses.replace(wider, out=tmp_path / "y", **bad))
+    assert not (tmp_path / "y").exists()
     assert load_heads(tmp_path / "wider", target, "eagle").config.intermediate_size == wider.intermediate_size
 
 

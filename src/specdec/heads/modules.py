@@ -239,10 +239,11 @@ class EagleHead(_Head):
         if start_width > width:
             raise ValueError(f"an EAGLE head with an MLP of {start_width} units cannot start one of {width}")
         mlp = ("layer.mlp.gate_proj.", "layer.mlp.up_proj.", "layer.mlp.down_proj.")
+        fusion = ("fuse.", "feature_norms.")  # (EAGLE-1 has none)
         state = {k: v for k, v in other.state_dict().items()
-                 if not k.startswith(mlp) and (other.config.feature_layers or not k.startswith(("fuse.", "feature_norms.")))}
+                 if not k.startswith(mlp) and (other.config.feature_layers or not k.startswith(fusion))}
         missing, unexpected = self.load_state_dict(state, strict=False)
-        if unexpected or any(not k.startswith(mlp + ("fuse.", "feature_norms.")) for k in missing):
+        if unexpected or any(not k.startswith(mlp + fusion) for k in missing):
             raise ValueError(f"the EAGLE head to start from does not match: {sorted(missing + unexpected)[:4]}")
         theirs = other.layer.mlp
         with torch.no_grad():

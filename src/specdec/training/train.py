@@ -96,6 +96,10 @@ def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     cfg.out; return the report."""
     if not 0 <= cfg.soft_labels <= 1:
         raise ValueError(f"soft_labels is a share of the loss, 0-1, not {cfg.soft_labels}")
+    if cfg.soft_labels and not (cfg.method == "eagle" and cfg.feature_layers):
+        raise ValueError("soft_labels apply to EAGLE-3 heads (--method eagle with --feature-layers)")
+    if cfg.intermediate_size and cfg.method != "eagle":
+        raise ValueError("intermediate_size is the EAGLE head's MLP; Medusa heads have none")
     if not 0 <= cfg.held_out_tasks <= 100:
         raise ValueError(f"held_out_tasks must be 0-100 (HumanEval's eval split), not {cfg.held_out_tasks}")
     if cfg.held_out_text not in HELD_OUT_TEXTS:
