@@ -63,7 +63,7 @@ def median_ms(fn, repeats: int) -> float:
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--heads", default=f"{TARGET}-eagle")
+    ap.add_argument("--heads", default=f"{TARGET}-eagle3")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)

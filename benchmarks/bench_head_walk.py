@@ -4,7 +4,7 @@ to HumanEval's first N eval-split prompts: held-out top-1 per step, the mean ove
 with a fixed chain of the same length (no adaptive K) on the same prompts, side by side.
 
     .venv/bin/python benchmarks/bench_head_walk.py [--humaneval 12] [--max-tokens 128] [--k 3]
-        [--heads qwen2.5-coder-1.5b-instruct-eagle,PATH...] [--feature-layers 2 14] [--features DIR]
+        [--heads qwen2.5-coder-1.5b-instruct-eagle3,PATH...] [--feature-layers 2 14] [--features DIR]
 
 A head is a shipped name or a folder (`specdec train-heads --out`). An EAGLE-1 head is evaluated as the EAGLE-3
 head that starts from it (`EagleHead.init_from_eagle`: the same drafts). The answers and their features are
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--humaneval", type=int, default=12, help="HumanEval eval-split prompts 0..N-1")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="the chain's drafted tokens (training's steps)")
-    ap.add_argument("--heads", default=f"{TARGET}-eagle", help="comma-separated shipped names or folders")
+    ap.add_argument("--heads", default=f"{TARGET}-eagle3", help="comma-separated shipped names or folders")
     ap.add_argument("--feature-layers", type=int, nargs="*", default=[2, 14])
     ap.add_argument("--features", help="where the answers and their features are kept")
     ap.add_argument("--threads", type=int, default=0)

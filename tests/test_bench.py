@@ -41,7 +41,7 @@ def test_method_names_map_to_speculative_configs():
     assert m.name == "draft:qwen2.5-coder-0.5b-instruct:k=4"
     assert parse_method("ngram", TARGET).name == "ngram:k=3"  # the default K, spelled out
     eagle = parse_method("eagle:dynamic:k=2", TARGET)
-    assert (eagle.name, eagle.spec.model, eagle.spec.tree) == ("eagle:k=2:dynamic", f"{TARGET}-eagle", "dynamic")
+    assert (eagle.name, eagle.spec.model, eagle.spec.tree) == ("eagle:k=2:dynamic", f"{TARGET}-eagle3", "dynamic")
     medusa = parse_method("medusa:my-heads:tree", TARGET)
     assert (medusa.name, medusa.spec.model, medusa.spec.tree) == ("medusa:my-heads:k=3:tree", "my-heads", "default")
     assert parse_method("draft:d:k=5:adaptive", TARGET).spec.adaptive

@@ -17,6 +17,8 @@
                                    Medusa heads (default: those shipped for the target, TARGET-medusa);
                                    `quant=Q`: their matrices' format (q8_0, the default, or q4_0)
     eagle[:HEADS][:k=K][:tree|:dynamic][:quant=Q]
+                                   an EAGLE head (default: the shipped EAGLE-3 head, TARGET-eagle3, else
+                                   TARGET-eagle)
     auto[:DRAFTER][:k=K][:adaptive][:local][:shared][:tree][:quant=Q]
                                    auto speculation: per sequence and step, suffix drafts or the second
                                    drafter's (heads or a draft model; default: the heads shipped for the
@@ -29,7 +31,7 @@ draft); `tree` drafts the default tree of depth K, `dynamic` EAGLE-2's. Example:
     >>> parse_method("draft:qwen2.5-coder-0.5b-instruct:k=4", "qwen2.5-coder-1.5b-instruct").spec.num_speculative_tokens
     4
     >>> parse_method("eagle:tree", "qwen2.5-coder-1.5b-instruct").spec.model
-    'qwen2.5-coder-1.5b-instruct-eagle'
+    'qwen2.5-coder-1.5b-instruct-eagle3'
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def parse_method(text: str, target: str) -> Method:
         raise ValueError(f"{text!r}: {kind} takes no model")
     named = [model] if model is not None else []  # medusa, eagle, auto: shown only when not the default drafter
     if kind in ("medusa", "eagle") and model is None:
-        model = f"{Path(target).name.removesuffix('.gguf')}-{kind}"
+        model = shipped_heads_name(target, kind)
     extra = {"suffix_decoding_max_cached_requests": 0} if local else {}
     if vocab is not None:
         extra["draft_vocab_size"] = vocab
@@ -165,5 +167,19 @@ def default_methods(target: str) -> str:
     methods = ["plain", "ngram", "suffix", "auto"]
     if target == DEFAULT_TARGET:
         methods.append(f"draft:{DEFAULT_DRAFT}")
-    methods += [kind for kind in ("medusa", "eagle") if (PRETRAINED / f"{target}-{kind}").is_dir()]
+    methods += [kind for kind in ("medusa", "eagle") if (PRETRAINED / shipped_heads_name(target, kind)).is_dir()]
     return ",".join(methods)
+
+
+# the heads each method defaults to, best first (the EAGLE-3 head drafts more than the EAGLE-1 one at every K measured)
+HEADS_SUFFIXES = {"medusa": ("medusa",), "eagle": ("eagle3", "eagle")}
+
+
+def shipped_heads_name(target: str, kind: str) -> str:
+    """The shipped heads that `kind` (medusa, eagle) defaults to for `target`: the first of its
+    `HEADS_SUFFIXES` shipped, else the name the first would have. Example: the default target's eagle ->
+    qwen2.5-coder-1.5b-instruct-eagle3."""
+    from specdec.heads.modules import PRETRAINED
+
+    names = [f"{Path(target).name.removesuffix('.gguf')}-{suffix}" for suffix in HEADS_SUFFIXES[kind]]
+    return next((name for name in names if (PRETRAINED / name).is_dir()), names[0])
