@@ -49,7 +49,8 @@ def test_method_names_map_to_speculative_configs():
     q4 = parse_method("draft:d:quant=q4_0:k=4", TARGET)
     assert (q4.name, q4.spec.draft_quantization) == ("draft:d:k=4:quant=q4_0", "q4_0")
     heads_q4 = parse_method("eagle:h:quant=q4_0", TARGET)  # the heads' matrices (`load_heads`)
-    assert (heads_q4.name, heads_q4.spec.model, heads_q4.spec.draft_quantization) == ("eagle:h:k=3:quant=q4_0", "h", "q4_0")
+    assert (heads_q4.name, heads_q4.spec.model, heads_q4.spec.draft_quantization) == \
+        ("eagle:h:k=3:quant=q4_0", "h", "q4_0")
     suffix = parse_method("suffix:tree:local", TARGET)  # K defaults to the trie's depth, as in vLLM
     assert suffix.name == "suffix:k=24:tree:local"
     assert (suffix.spec.tree, suffix.spec.suffix_decoding_max_cached_requests) == ("dynamic", 0)

@@ -138,7 +138,7 @@ class LLM:
         self.dtype = torch.bfloat16 if self.quantization != "none" else resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
         self.target, self.tokenizer, self.target_path = load_model(model, self.dtype, self.device, self.quantization)
-        self.kv_cache_dtype = self.target.kv_format = kv_cache_dtype  # (a draft model's caches: the same, `load_drafters`)
+        self.kv_cache_dtype = self.target.kv_format = kv_cache_dtype  # (a draft model's: `load_drafters`)
         self.load_time = time.perf_counter() - t0
         self.model_name = model
         # the model's own context unless asked for less (as vLLM), lowered by the plan if one sequence does not fit

@@ -169,7 +169,7 @@ class AutoProposer(Proposer):
             asks = [min(k, self.k) if self.tree or not self.bound_second or not drafts[b].tokens
                     or self._heads_bound(min(k, self.k), rows[b].lean.lean) > values[b] else 0
                     for b, k in enumerate(ks)]
-            second = [Draft([]) for _ in seqs]
+            second = []  # (none asked: nothing to weigh)
             if any(asks):
                 t0 = self.clock()
                 second = self.second.draft(seqs, asks)

@@ -108,7 +108,9 @@ def load_target_heads(spec: SpeculativeConfig | None, target) -> torch.nn.Module
     fmt = spec.draft_quantization  # (the heads' matrices: `load_heads`)
     if spec.method == "auto":
         if spec.model:
-            return load_heads(resolve_heads(spec.model), target, quantization=fmt) if is_heads_folder(spec.model) else None
+            if not is_heads_folder(spec.model):
+                return None  # (a draft model)
+            return load_heads(resolve_heads(spec.model), target, quantization=fmt)
         folder = shipped_heads(target)
         return None if folder is None else load_heads(folder, target, quantization=fmt)
     if spec.method not in ("medusa", "eagle"):
