@@ -58,3 +58,24 @@ def test_the_table_of_formats_is_the_one_python_states():
     assert {t: entries[t][0] for t in qgemm.X16_TYPES.values()} == {
         qgemm.X16_TYPES[t]: qgemm.BLOCK[t][0] for t in qgemm.X16_TYPES}
     assert all(entries[t][2] == 16 for t in qgemm.X16_TYPES.values())
+
+
+def test_the_kernel_tests_pass_under_every_other_vector_build_this_cpu_runs(tmp_path):
+    """tests/test_qgemm.py and tests/test_attention.py (bits, invariances, layouts) with each other vector build
+    forced (`SPECDEC_QGEMM_ISA`): an AVX-512 machine checks the AVX2 build the way an AVX2 machine runs it
+    (its 16-channel layouts, its widened Q5_0, its groups of 4 rows), not only against the others' bits. The
+    portable build is compared inside those tests, and the AMX build takes over from AVX-512 VNNI only on
+    passes of 12 rows or more."""
+    default = qgemm.best_isa()
+    others = [isa for isa in ("avx512vnni", "avx2") if isa != default and native.runs_isa(isa)]
+    if not others:
+        import pytest
+        pytest.skip(f"no other vector build runs on this CPU than {default}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for isa in others:
+        env = {**os.environ, "SPECDEC_QGEMM_ISA": isa, "SPECDEC_HOME": str(tmp_path / isa)}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not real",
+                              "-n", "0", "tests/test_qgemm.py", "tests/test_attention.py"],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, (isa, run.stdout[-3000:], run.stderr[-2000:])
+        assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-500:]

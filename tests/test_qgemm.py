@@ -317,27 +317,29 @@ X16_OTHER = {2: 6, 6: 8, 12: 14, 14: 12}  # another type of the same block size,
 def test_16_channels_side_by_side_give_the_file_layouts_bits_for_any_rows_build_and_threads(qtype):
     """Q4_K / Q6_K / Q4_0 / Q5_0 repacked 16 channels side by side (the kernels with the channels in the lanes) against
     the file's layout: the same bits for 1-64 rows, bf16 and fp32 activations, with a bias and next to other
-    segments, one or two threads, and on every build (the others run its portable loop)."""
+    segments, one or two threads, on each build that runs here (AVX-512 and AVX2 kernels of their own, the
+    portable loop elsewhere), and across builds."""
     K, N = 768, 48
     w = random_blocks(qtype, N, K, seed=5)
     w16, xtype = qgemm.repack_x16(w, qtype), qgemm.X16_TYPES[qtype]
     assert w16.shape == (N // 16, K // qgemm.BLOCK[qtype][0] * X16_BYTES[qtype])
     other = random_blocks(X16_OTHER[qtype], 16, K, seed=6)
     bias = torch.randn(N + 16)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(64, K, dtype=dtype)
-        alone = torch.cat([qgemm.qmm(x[m:m + 1], [w16], [xtype]) for m in range(64)])
-        for M in (1, 2, 3, 4, 5, 7, 9, 13, 64):
-            assert torch.equal(qgemm.qmm(x[:M], [w], [qtype]), alone[:M]), (dtype, M)
-            assert torch.equal(qgemm.qmm(x[:M], [w16], [xtype]), alone[:M]), (dtype, M)
-        both = qgemm.qmm(x[:6], [w16, other], [xtype, X16_OTHER[qtype]], bias)
-        assert torch.equal(both, qgemm.qmm(x[:6], [w, other], [qtype, X16_OTHER[qtype]], bias))
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(qgemm.qmm(x[:9], [w16], [xtype]), alone[:9])
-        finally:
-            torch.set_num_threads(threads)
+    for isa in [i for i in ISAS if i != "generic"]:  # (the portable loop: against them below)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(64, K, dtype=dtype)
+            alone = torch.cat([qgemm.qmm(x[m:m + 1], [w16], [xtype], isa=isa) for m in range(64)])
+            for M in (1, 2, 3, 4, 5, 7, 9, 13, 64):
+                assert torch.equal(qgemm.qmm(x[:M], [w], [qtype], isa=isa), alone[:M]), (isa, dtype, M)
+                assert torch.equal(qgemm.qmm(x[:M], [w16], [xtype], isa=isa), alone[:M]), (isa, dtype, M)
+            both = qgemm.qmm(x[:6], [w16, other], [xtype, X16_OTHER[qtype]], bias, isa=isa)
+            assert torch.equal(both, qgemm.qmm(x[:6], [w, other], [qtype, X16_OTHER[qtype]], bias, isa=isa)), isa
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                assert torch.equal(qgemm.qmm(x[:9], [w16], [xtype], isa=isa), alone[:9]), isa
+            finally:
+                torch.set_num_threads(threads)
     x = torch.randn(5, K)
     outs = [qgemm.qmm(x, [w16], [xtype], isa=isa) for isa in ISAS]
     assert all(torch.equal(qgemm.qmm(x, [w], [qtype]), o) for o in outs), ISAS
@@ -360,10 +362,11 @@ def test_16_channels_side_by_side_at_the_largest_integer_sums(qtype):
     w16 = qgemm.repack_x16(w, qtype)
     sign = torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)
     x = torch.stack([torch.ones(K), -torch.ones(K), sign, torch.ones(K)])
-    for M in (1, 2, 4):
-        y = qgemm.qmm(x[:M], [w16], [qgemm.X16_TYPES[qtype]])
-        assert torch.equal(y, qgemm.qmm(x[:M], [w], [qtype], isa="generic")), M
-        assert y.abs().max() > 0
+    for isa in ISAS:  # (AVX2: the i16 sums of a sub-block at their largest, 30480 for Q4_K and 32004 for Q6_K)
+        for M in (1, 2, 4):
+            y = qgemm.qmm(x[:M], [w16], [qgemm.X16_TYPES[qtype]], isa=isa)
+            assert torch.equal(y, qgemm.qmm(x[:M], [w], [qtype], isa="generic")), (isa, M)
+            assert y.abs().max() > 0
 
 
 def test_16_channel_layouts_refuse_what_they_cannot_lay_out():

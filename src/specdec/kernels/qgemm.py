@@ -94,13 +94,17 @@ def ops(isa: str | None = None):
     return _ops[isa]
 
 
-def interleaves() -> bool:
-    """Whether Q4_K, Q6_K, Q4_0 and Q5_0 matrices (of a multiple of 16 rows) are laid out 16 channels side by
-    side at load (`repack_x16`): on the AVX-512 VNNI build (not the AMX one, whose tiles read the file's
-    layout), where the kernels on that layout keep the channels in the vector lanes and do a fraction of the
-    work per block (the same bits). `SPECDEC_QGEMM_X16=0|1` turns it off or on (on other builds: a portable loop, slow)."""
+def interleaved_types() -> frozenset[int]:
+    """The GGML types whose matrices (of a multiple of 16 rows) are laid out 16 channels side by side at load
+    (`repack_x16`), where the kernels on that layout keep the channels in the vector lanes and share each
+    register's unpacking among the rows (the same bits): Q4_K, Q6_K, Q4_0 and Q5_0 on the AVX-512 VNNI build
+    (not the AMX one, whose tiles read the file's layout); Q4_K and Q6_K on the AVX2 build (its Q5_0 is read
+    as Q8_0 instead, `widens_q5_0`). `SPECDEC_QGEMM_X16=0|1` turns it off, or on for all four (on the
+    portable build: a portable loop, slow)."""
     forced = _switch("SPECDEC_QGEMM_X16")
-    return best_isa() == "avx512vnni" if forced is None else forced
+    if forced is not None:
+        return frozenset(X16_TYPES) if forced else frozenset()
+    return {"avx512vnni": frozenset(X16_TYPES), "avx2": frozenset({Q4_K, Q6_K})}.get(best_isa(), frozenset())
 
 
 def widens_q5_0() -> bool:

@@ -16,7 +16,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from specdec.kernels.qgemm import (Q4_0, Q4_K, Q5_0, SUPPORTED_TYPES, X16_TYPES, interleaves, qmm, quantize_q4_0,
+from specdec.kernels.qgemm import (Q4_0, Q4_K, Q5_0, SUPPORTED_TYPES, X16_TYPES, interleaved_types, qmm, quantize_q4_0,
                                    quantize_q8_0, repack_x16, requantize_q4_0, widen_q5_0, widens_q5_0)
 from specdec.models.dequant import dequantize_rows
 
@@ -72,9 +72,9 @@ class QuantLinear(nn.Module):
         # select_rows / dequantize_rows
         self.kernel_types = list(self.types)
         self._kernel_buffers = [f"blocks_{i}" for i in range(len(parts))]
-        interleave = interleaves()
+        interleave = interleaved_types()
         for i, (w, t) in enumerate(parts):
-            if interleave and t in X16_TYPES and w.shape[0] % 16 == 0:
+            if t in interleave and w.shape[0] % 16 == 0:
                 self.register_buffer(f"kblocks_{i}", repack_x16(w, t), persistent=False)
                 self.kernel_types[i], self._kernel_buffers[i] = X16_TYPES[t], f"kblocks_{i}"
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)

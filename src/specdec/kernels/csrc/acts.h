@@ -117,6 +117,36 @@ inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, fl
     s[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(w));
   }
 }
+#elif defined(__AVX2__)
+inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t i = 0; i < bs; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), mx);  // NaN: mx
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  *d = amax / 127.f;
+  const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (int64_t g = 0; g < bs / 16; ++g) {
+    __m256i w[2];
+    for (int k = 0; k < 2; ++k) {
+      __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * g + 8 * k), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);  // NaN: -127, as the scalar form
+      w[k] = _mm256_cvtps_epi32(v);
+    }
+    // 16 int32 in [-127, 127] -> 16 bytes, in order (the packs work within 128-bit lanes: fix the order after)
+    const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(w[0], w[1]), 0xD8);
+    const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g), p8);
+    __m256i t = _mm256_add_epi32(w[0], w[1]);
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    s[g] = static_cast<int16_t>(_mm_cvtsi128_si32(t4));
+  }
+}
 #else
 inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) { quantize_block_scalar(x, bs, q, s, d); }
 #endif
@@ -127,6 +157,11 @@ inline void bf16_to_f32(const at::BFloat16* x, int64_t n, float* y) {
   for (; k + 16 <= n; k += 16) {
     const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)));
     _mm512_storeu_ps(y + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+#elif defined(__AVX2__)
+  for (; k + 8 <= n; k += 8) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)));
+    _mm256_storeu_ps(y + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
   }
 #endif
   for (; k < n; ++k) y[k] = static_cast<float>(x[k]);

@@ -57,6 +57,24 @@ inline VI bit4_from_bits(const uint8_t* p) {
   const VI select = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), set8(0x10));
 }
+// the 4 bytes at p in every 32-bit lane
+inline VI bcast32v(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+// i16 a + b for sums that do not overflow: the saturating add gives the same values, and the compiler does
+// not reassociate it (a plain add's chains became trees that kept every product live, spilled to the stack)
+inline VI add16(VI a, VI b) { return _mm256_adds_epi16(a, b); }
+// 8 scales (bytes at p, unsigned or signed) as 8 lanes of (s, s) i16 pairs: madd(v, pairs) = s x (v0 + v1)
+inline VI scale_pairs_u8(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+}
+inline VI scale_pairs_i8(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
+}
 inline VF fzero() { return _mm256_setzero_ps(); }
 // acc + float(v) * s, fused
 inline VF fmadd_i(VI v, float s, VF acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
