@@ -129,56 +129,70 @@ void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, f[r]);
 }
 #elif defined(__AVX2__)
-// AVX2: the 16 channels as two halves of 8 (bytes 32h.. of each register), one after the other over the same
-// rows. maddubs puts 2 products into each i16 lane; a sub-block's 8 registers add up in i16 (at most 16 x 15 x
-// 127 = 30480: no overflow), then one madd by the sub-block's scale (both i16 halves of a lane) gives the i32
-// scale x sum: the exact S of the other builds; Mn as the 512-bit kernel computes it (dot4 for dpbusd), and
-// the fp32 step is step45's, lane by lane.
+// AVX2: the 16 channels as two halves of 8 (bytes 32h.. of each register): side by side for one or two rows
+// (one pass over the weights, which a single row reads from memory), one after the other for 3 or 4 (their
+// sums would not fit the registers). maddubs puts 2 products into each i16 lane; a sub-block's 8 registers
+// add up in i16 (at most 16 x 15 x 127 = 30480: no overflow), then one madd by the sub-block's scale (both
+// i16 halves of a lane) gives the i32 scale x sum: the exact S of the other builds; Mn as the 512-bit kernel
+// computes it (dot4 for dpbusd), and the fp32 step is step45's, lane by lane.
 template <int R>
 void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   static_assert(R >= 1 && R <= 4, "one to four rows");
+  constexpr int NH = R <= 2 ? 2 : 1;  // halves at once
   const VI m4 = set8(0x0F);
   const Rows<R> rw(a, m0);
-  for (int h = 0; h < 2; ++h) {
-    VF f[R];
-    for (int r = 0; r < R; ++r) f[r] = fzero();
+  for (int h0 = 0; h0 < 2; h0 += NH) {
+    VF f[NH][R];
+    for (int hh = 0; hh < NH; ++hh)
+      for (int r = 0; r < R; ++r) f[hh][r] = fzero();
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* b = w + i * kX16Bytes;
-      if (h == 0)
+      if (h0 == 0)
         for (int64_t l = 0; l < kX16Bytes; l += 64) __builtin_prefetch(b + kX16Ahead + l, 0, 1);
-      VI S[R];
-      for (int r = 0; r < R; ++r) S[r] = zero();
+      VI S[NH][R];
+      for (int hh = 0; hh < NH; ++hh)
+        for (int r = 0; r < R; ++r) S[hh][r] = zero();
       for (int j = 0; j < 4; ++j) {  // sub-blocks j (low nibbles) and j + 4 (high nibbles)
-        VI al[R], ah[R];
-        for (int r = 0; r < R; ++r) al[r] = ah[r] = zero();
+        VI al[NH][R], ah[NH][R];
+        for (int hh = 0; hh < NH; ++hh)
+          for (int r = 0; r < R; ++r) al[hh][r] = ah[hh][r] = zero();
 #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
           const int u = 8 * j + k;
-          const VI P = load(b + kX16Qs + 64 * u + 32 * h);
-          const VI ql = and_(P, m4), qh = shr_mask(P, 4, 0x0F);
-          for (int r = 0; r < R; ++r) {
-            al[r] = add16(al[r], maddubs(ql, bcast32v(rw.q[r] + i * 256 + 4 * u)));
-            ah[r] = add16(ah[r], maddubs(qh, bcast32v(rw.q[r] + i * 256 + 128 + 4 * u)));
+          for (int hh = 0; hh < NH; ++hh) {
+            const VI P = load(b + kX16Qs + 64 * u + 32 * (h0 + hh));
+            const VI ql = and_(P, m4), qh = shr_mask(P, 4, 0x0F);
+            for (int r = 0; r < R; ++r) {
+              al[hh][r] = add16(al[hh][r], maddubs(ql, bcast32v(rw.q[r] + i * 256 + 4 * u)));
+              ah[hh][r] = add16(ah[hh][r], maddubs(qh, bcast32v(rw.q[r] + i * 256 + 128 + 4 * u)));
+            }
           }
         }
-        const VI sl = scale_pairs_u8(b + kX16Sc + 16 * j + 8 * h), sh = scale_pairs_u8(b + kX16Sc + 16 * (j + 4) + 8 * h);
-        for (int r = 0; r < R; ++r) S[r] = add32(S[r], add32(madd(al[r], sl), madd(ah[r], sh)));
+        for (int hh = 0; hh < NH; ++hh) {
+          const int h = h0 + hh;
+          const VI sl = scale_pairs_u8(b + kX16Sc + 16 * j + 8 * h), sh = scale_pairs_u8(b + kX16Sc + 16 * (j + 4) + 8 * h);
+          for (int r = 0; r < R; ++r) S[hh][r] = add32(S[hh][r], add32(madd(al[hh][r], sl), madd(ah[hh][r], sh)));
+        }
       }
-      const VI mn0 = load(b + kX16Mn + 32 * h), mn1 = load(b + kX16Mn + 64 + 32 * h);
-      const VF dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
-      const VF dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kX16Dmin + 16 * h)));
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* lo = rw.lo[r] + i * 8;
-        const int8_t* hi = rw.hi[r] + i * 8;
-        const VI ml = add32(dot4(bcast32v(lo), mn0), dot4(bcast32v(lo + 4), mn1));
-        const VI mh = add32(dot4(mn0, bcast32v(hi)), dot4(mn1, bcast32v(hi + 4)));
-        const VI Mn = add32(ml, shl32(mh, 8));
-        const VF d = _mm256_set1_ps(rw.d[r][i]);
-        const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(d, dmv));
-        f[r] = _mm256_add_ps(f[r], _mm256_fmsub_ps(_mm256_cvtepi32_ps(S[r]), _mm256_mul_ps(d, dv), m));
+      for (int hh = 0; hh < NH; ++hh) {
+        const int h = h0 + hh;
+        const VI mn0 = load(b + kX16Mn + 32 * h), mn1 = load(b + kX16Mn + 64 + 32 * h);
+        const VF dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
+        const VF dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kX16Dmin + 16 * h)));
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* lo = rw.lo[r] + i * 8;
+          const int8_t* hi = rw.hi[r] + i * 8;
+          const VI ml = add32(dot4(bcast32v(lo), mn0), dot4(bcast32v(lo + 4), mn1));
+          const VI mh = add32(dot4(mn0, bcast32v(hi)), dot4(mn1, bcast32v(hi + 4)));
+          const VI Mn = add32(ml, shl32(mh, 8));
+          const VF d = _mm256_set1_ps(rw.d[r][i]);
+          const VF m = _mm256_mul_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(d, dmv));
+          f[hh][r] = _mm256_add_ps(f[hh][r], _mm256_fmsub_ps(_mm256_cvtepi32_ps(S[hh][r]), _mm256_mul_ps(d, dv), m));
+        }
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 16 * r + 8 * h, f[r]);
+    for (int hh = 0; hh < NH; ++hh)
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 16 * r + 8 * (h0 + hh), f[hh][r]);
   }
 }
 #endif

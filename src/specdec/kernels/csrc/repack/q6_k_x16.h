@@ -126,59 +126,73 @@ void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, f[r]);
 }
 #elif defined(__AVX2__)
-// AVX2: two halves of 8 channels, one after the other (as Q4_K's). The quants (0..63) times the activations
-// by maddubs, two registers of a sub-block added in i16 (at most 4 x 63 x 127 = 32004), then one madd by
-// the sub-block's signed scale; the offset enters once a block as -32 x the sum over sub-blocks of scale x
-// the row's sum of 16 quants (madd of scale pairs by sum pairs). S is the exact integer of the other builds
-// (every partial sum fits 32 bits); step6.
+// AVX2: two halves of 8 channels, side by side for one or two rows, else one after the other (as Q4_K's).
+// The quants (0..63) times the activations by maddubs, two registers of a sub-block added in i16 (at most
+// 4 x 63 x 127 = 32004), then one madd by the sub-block's signed scale; the offset enters once a block as -32
+// x the sum over sub-blocks of scale x the row's sum of 16 quants (madd of scale pairs by sum pairs). S is
+// the exact integer of the other builds (every partial sum fits 32 bits); step6.
 template <int R>
 void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* out) {
   static_assert(R >= 1 && R <= 4, "one to four rows");
+  constexpr int NH = R <= 2 ? 2 : 1;  // halves at once
   const VI m4 = set8(0x0F), m30 = set8(0x30);
   const Rows<R> rw(a, m0);
-  for (int h = 0; h < 2; ++h) {
-    VF f[R];
-    for (int r = 0; r < R; ++r) f[r] = fzero();
+  for (int h0 = 0; h0 < 2; h0 += NH) {
+    VF f[NH][R];
+    for (int hh = 0; hh < NH; ++hh)
+      for (int r = 0; r < R; ++r) f[hh][r] = fzero();
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* b = w + i * kX16Q6Bytes;
-      if (h == 0)
+      if (h0 == 0)
         for (int64_t l = 0; l < kX16Q6Bytes; l += 64) __builtin_prefetch(b + kX16Ahead + l, 0, 1);
-      VI S[R], O[R];  // O: the sum of scale x sum of 16 quants, over the block's sub-blocks
-      for (int r = 0; r < R; ++r) S[r] = O[r] = zero();
-      for (int j = 0; j < 16; j += 2) {
-        const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kX16Q6Sc + 16 * j + 8 * h));
-        const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kX16Q6Sc + 16 * (j + 1) + 8 * h));
-        const VI sp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));  // lane c: (sc_j, sc_j+1)
-        for (int r = 0; r < R; ++r) O[r] = add32(O[r], madd(sp, bcast32v(rw.s[r] + i * 16 + j)));
-      }
+      VI S[NH][R], O[NH][R];  // O: the sum of scale x sum of 16 quants, over the block's sub-blocks
+      for (int hh = 0; hh < NH; ++hh)
+        for (int r = 0; r < R; ++r) S[hh][r] = O[hh][r] = zero();
+      for (int hh = 0; hh < NH; ++hh)
+        for (int j = 0; j < 16; j += 2) {
+          const int h = h0 + hh;
+          const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kX16Q6Sc + 16 * j + 8 * h));
+          const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kX16Q6Sc + 16 * (j + 1) + 8 * h));
+          const VI sp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));  // lane c: (sc_j, sc_j+1)
+          for (int r = 0; r < R; ++r) O[hh][r] = add32(O[hh][r], madd(sp, bcast32v(rw.s[r] + i * 16 + j)));
+        }
       for (int j = 0; j < 8; ++j) {  // sub-blocks j (registers 4j.., low nibbles) and j + 8 (high nibbles)
-        const VI sl = scale_pairs_i8(b + kX16Q6Sc + 16 * j + 8 * h), sh = scale_pairs_i8(b + kX16Q6Sc + 16 * (j + 8) + 8 * h);
 #pragma GCC unroll 2
         for (int k = 0; k < 4; k += 2) {
-          VI al[R], ah[R];
+          VI al[NH][R], ah[NH][R];
           for (int kk = 0; kk < 2; ++kk) {
             const int u = 4 * j + k + kk;
-            const VI P = load(b + kX16Q6Lo + 64 * u + 32 * h);
-            const VI H = _mm256_srli_epi16(load(b + kX16Q6Hi + 64 * (u % 16) + 32 * h), 4 * (u / 16));
-            const VI ql = or_(and_(P, m4), and_(_mm256_slli_epi16(H, 4), m30));
-            const VI qh = or_(shr_mask(P, 4, 0x0F), and_(_mm256_slli_epi16(H, 2), m30));
-            for (int r = 0; r < R; ++r) {
-              const VI pl = maddubs(ql, bcast32v(rw.q[r] + i * 256 + 4 * u));
-              const VI ph = maddubs(qh, bcast32v(rw.q[r] + i * 256 + 128 + 4 * u));
-              al[r] = kk == 0 ? pl : add16(al[r], pl);
-              ah[r] = kk == 0 ? ph : add16(ah[r], ph);
+            for (int hh = 0; hh < NH; ++hh) {
+              const int h = h0 + hh;
+              const VI P = load(b + kX16Q6Lo + 64 * u + 32 * h);
+              const VI H = _mm256_srli_epi16(load(b + kX16Q6Hi + 64 * (u % 16) + 32 * h), 4 * (u / 16));
+              const VI ql = or_(and_(P, m4), and_(_mm256_slli_epi16(H, 4), m30));
+              const VI qh = or_(shr_mask(P, 4, 0x0F), and_(_mm256_slli_epi16(H, 2), m30));
+              for (int r = 0; r < R; ++r) {
+                const VI pl = maddubs(ql, bcast32v(rw.q[r] + i * 256 + 4 * u));
+                const VI ph = maddubs(qh, bcast32v(rw.q[r] + i * 256 + 128 + 4 * u));
+                al[hh][r] = kk == 0 ? pl : add16(al[hh][r], pl);
+                ah[hh][r] = kk == 0 ? ph : add16(ah[hh][r], ph);
+              }
             }
           }
-          for (int r = 0; r < R; ++r) S[r] = add32(S[r], add32(madd(al[r], sl), madd(ah[r], sh)));
+          for (int hh = 0; hh < NH; ++hh) {
+            const int h = h0 + hh;
+            const VI sl = scale_pairs_i8(b + kX16Q6Sc + 16 * j + 8 * h), sh = scale_pairs_i8(b + kX16Q6Sc + 16 * (j + 8) + 8 * h);
+            for (int r = 0; r < R; ++r) S[hh][r] = add32(S[hh][r], add32(madd(al[hh][r], sl), madd(ah[hh][r], sh)));
+          }
         }
       }
-      const VF dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
-      for (int r = 0; r < R; ++r) {
-        const VI St = sub32(S[r], shl32(O[r], 5));
-        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(St), _mm256_mul_ps(_mm256_set1_ps(rw.d[r][i]), dv), f[r]);
+      for (int hh = 0; hh < NH; ++hh) {
+        const VF dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * (h0 + hh))));
+        for (int r = 0; r < R; ++r) {
+          const VI St = sub32(S[hh][r], shl32(O[hh][r], 5));
+          f[hh][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(St), _mm256_mul_ps(_mm256_set1_ps(rw.d[r][i]), dv), f[hh][r]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 16 * r + 8 * h, f[r]);
+    for (int hh = 0; hh < NH; ++hh)
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 16 * r + 8 * (h0 + hh), f[hh][r]);
   }
 }
 #endif
