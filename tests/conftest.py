@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 
 from specdec.config import ModelConfig
 from specdec.models.llama import Transformer
+
+# `specdec serve` keeps its prefix cache on disk (under $SPECDEC_HOME/kv by default): the servers the tests start
+# write theirs in a folder of this test process's own, so that no run reads what another one left
+if "SPECDEC_PREFIX_CACHE_DIR" not in os.environ:
+    _kv = tempfile.mkdtemp(prefix="specdec-test-kv-")
+    os.environ["SPECDEC_PREFIX_CACHE_DIR"] = _kv
+    atexit.register(shutil.rmtree, _kv, ignore_errors=True)
 
 TINY = dict(
     vocab_size=97,

@@ -177,12 +177,15 @@ def parsed(command: str, flags: list[str]) -> argparse.Namespace:
 @pytest.mark.parametrize("flags", ACCEPTED, ids=" ".join)
 def test_generate_serve_and_bench_read_the_model_flags_alike(flags):
     """The same flags give the same LLM arguments from `generate` and `serve` (and from `bench`, which takes
-    the model flags but none of the speculation flags: its methods say how to speculate)."""
+    the model flags but none of the speculation flags: its methods say how to speculate), but for the disk
+    tier of the prefix cache, which only `serve` turns on by default."""
     from specdec.llm_args import llm_kwargs
 
     generate, serve = parsed("generate", flags), parsed("serve", flags)
     expected = llm_kwargs(generate, "m", generate.speculative_model)
-    assert llm_kwargs(serve, "m", serve.speculative_model) == expected
+    served = llm_kwargs(serve, "m", serve.speculative_model)
+    assert (served.pop("prefix_cache_disk"), served.pop("prefix_cache_dir")) == (True, None)
+    assert "prefix_cache_disk" not in expected and served == expected
     if not any(flag.startswith("--speculative") or flag.startswith("--num-spec") for flag in flags):
         assert llm_kwargs(parsed("bench", flags), "m", None) == expected
     else:

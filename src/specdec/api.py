@@ -6,7 +6,10 @@
     print(out[0].text, out[0].metrics.mean_acceptance_length)
 
 Prefixes are cached across calls (`enable_prefix_caching`, on by default): a conversation sent again with
-one more turn prefills only what is new (`out[0].metrics.cached_tokens` tells how much was not).
+one more turn prefills only what is new (`out[0].metrics.cached_tokens` tells how much was not). With
+`prefix_cache_disk=True` (on by default in `specdec serve`) the target's cached blocks are also kept on disk
+(`prefix_cache_dir`, default $SPECDEC_HOME/kv), so that another process, or this one after a restart, reads
+them back instead of computing them (`metrics.disk_cached_tokens`).
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdec.config import KV_FORMATS, SamplingParams, SpeculativeConfig
+from specdec.config import KV_FORMATS, SamplingParams, SpeculativeConfig, specdec_home
 from specdec.engine import Engine
+from specdec.engine.disk_cache import NUMERICS_VERSION, DiskTier, file_digest, namespace
 from specdec.engine.memory import default_budget, device_memory, plan_memory
 from specdec.engine.outputs import RequestOutput
 from specdec.fan_out import pick_best, sub_requests
@@ -37,6 +42,7 @@ from specdec.speculative.drafters import load_drafters, model_bytes
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+DEFAULT_PREFIX_CACHE_DISK_GB = 8.0  # the disk tier's budget (`specdec serve --prefix-cache-disk-gb`)
 DEFAULT_ROW_LEN = 4096  # the memory plan's K/V: max_num_seqs sequences of this length (or fewer, longer ones)
 
 
@@ -130,6 +136,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         prefix_caching_isolation: str = "shared",
         kv_cache_dtype: str = "auto",
+        prefix_cache_disk: bool = False,
+        prefix_cache_dir: str | None = None,
+        prefix_cache_disk_gb: float = DEFAULT_PREFIX_CACHE_DISK_GB,
     ) -> None:
         if kv_cache_dtype not in KV_FORMATS:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose one of {', '.join(KV_FORMATS)}")
@@ -174,9 +183,11 @@ class LLM:
                                   max_num_seqs=self.memory_plan.max_num_seqs,
                                   max_model_len=self.memory_plan.row_len or self.max_model_len,
                                   draft_model=self.draft_model, heads=self.heads, special_ids=self.tokenizer.special_ids)
+        self.prefix_disk = self._disk_tier(prefix_cache_dir, prefix_cache_disk_gb) \
+            if prefix_cache_disk and self.memory_plan.prefix_cache_blocks > 0 else None
         self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
                                    self.memory_plan.prefix_cache_blocks, prefix_caching_isolation,
-                                   self.memory_plan.kv_tokens, prefill_itl_factor)
+                                   self.memory_plan.kv_tokens, prefill_itl_factor, self.prefix_disk)
         self._ids = itertools.count()
 
     def engine_for(self, spec: SpeculativeConfig | None) -> Engine:
@@ -196,9 +207,27 @@ class LLM:
                                   special_ids=self.tokenizer.special_ids)
         return self._engine(spec, proposer, 1, row_tokens=self.max_model_len)  # a row of 4096, longer if need be
 
+    def _disk_tier(self, directory: str | None, gigabytes: float) -> DiskTier:
+        """The prefix cache's disk tier: under `directory` (default $SPECDEC_PREFIX_CACHE_DIR, else
+        $SPECDEC_HOME/kv), in a folder named by what
+        decides the K/V's bits (the model file's digest, weights, dtypes, the K/V format, the kernels' numerics:
+        the AMX build's attention tiles round otherwise), within `gigabytes` shared by the processes there."""
+        if gigabytes <= 0:
+            raise ValueError(f"prefix_cache_disk_gb must be positive, got {gigabytes}")
+        numerics = self.device.type
+        if numerics == "cpu" and self.quantization != "none":
+            from specdec.kernels import qgemm
+
+            numerics = "cpu-amx" if qgemm.best_isa() == "avx512amx" else "cpu"
+        space = namespace(file_digest(self.target_path, specdec_home()), self.quantization, self.dtype,
+                          self.kv_cache_dtype, numerics, NUMERICS_VERSION, self.memory_plan.prefix_block_size)
+        root = directory or os.environ.get("SPECDEC_PREFIX_CACHE_DIR") or specdec_home() / "kv"
+        return DiskTier(Path(root), space, int(gigabytes * 2**30))
+
     def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
                 prefix_cache_blocks: int = 0, prefix_isolation: str = "shared",
-                row_tokens: int | None = None, prefill_itl_factor: float | None = 2.0) -> Engine:
+                row_tokens: int | None = None, prefill_itl_factor: float | None = 2.0,
+                prefix_disk: DiskTier | None = None) -> Engine:
         return Engine(
             self.target,
             self.tokenizer,
@@ -213,6 +242,7 @@ class LLM:
             prefix_cache_blocks=prefix_cache_blocks,
             prefix_block_size=self.memory_plan.prefix_block_size,
             prefix_isolation=prefix_isolation,
+            prefix_disk=prefix_disk,
             row_tokens=row_tokens,
         )
 
@@ -260,9 +290,12 @@ class LLM:
         return results
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (as vLLM's): the next requests prefill their whole prompts."""
+        """Forget every cached prefix (as vLLM's): the next requests prefill their whole prompts. With the disk
+        tier, its blocks of this model and arithmetic go too (those of every process sharing its folder)."""
         if self.engine.prefix_cache is not None:
             self.engine.prefix_cache.clear()
+        if self.prefix_disk is not None:
+            self.prefix_disk.clear()
 
     def describe(self) -> dict[str, Any]:
         """What was loaded, how it speculates, and the memory each part takes."""
@@ -275,6 +308,9 @@ class LLM:
             "max_model_len": self.max_model_len,
             "prefix_caching": self.engine.prefix_cache is not None,
             "prefix_caching_isolation": self.engine.prefix_isolation,
+            "prefix_cache_disk": None if self.prefix_disk is None else {
+                "dir": str(self.prefix_disk.dir), "budget_bytes": self.prefix_disk.budget,
+                "used_bytes": self.prefix_disk.usage()},
             "load_time_s": round(self.load_time, 2),
             "memory_bytes": self.memory_plan.as_dict(),
             "speculative": None,

@@ -80,6 +80,15 @@ def add_llm_arguments(parser: argparse.ArgumentParser, speculation: bool = True)
                             "other; salt: only requests with a cache_salt use the prefix cache, each salt its own "
                             "(for multi-tenant servers: cached_tokens and the time to first token then tell nothing "
                             "of another tenant's prompts)")
+    model.add_argument("--prefix-cache-disk", action=argparse.BooleanOptionalAction, default=False,
+                       help="also keep the prefix cache's blocks on disk, so that a restarted server, or another one "
+                            "sharing the folder, reads a prompt it has seen instead of computing it (default: on for "
+                            "`specdec serve`, off otherwise)")
+    model.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                       help="the disk tier's folder (default $SPECDEC_PREFIX_CACHE_DIR, else $SPECDEC_HOME/kv); "
+                            "blocks go in a subfolder per model file and arithmetic")
+    model.add_argument("--prefix-cache-disk-gb", type=float, default=None, metavar="GB",
+                       help="the disk tier's size, shared by the processes using the folder (default 8)")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                        help="devices per model: 1 (more are refused)")
     model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
@@ -117,6 +126,11 @@ def llm_kwargs(args: argparse.Namespace, model: str, draft: str | None) -> dict[
         max_model_len=args.max_model_len, device=args.device, enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_isolation=args.prefix_caching_isolation, kv_cache_dtype=args.kv_cache_dtype,
     )
+    if args.prefix_cache_disk:
+        kwargs["prefix_cache_disk"] = True
+        kwargs["prefix_cache_dir"] = args.prefix_cache_dir
+        if args.prefix_cache_disk_gb is not None:
+            kwargs["prefix_cache_disk_gb"] = args.prefix_cache_disk_gb
     if args.memory_utilization is not None:
         kwargs["memory_utilization"] = args.memory_utilization
     if args.max_num_batched_tokens is not None:

@@ -38,6 +38,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.engine import verification
+from specdec.engine.disk_cache import DiskTier
 from specdec.engine.metrics import SpecMetrics
 from specdec.engine.output_text import OutputText
 from specdec.engine.outputs import RequestOutput
@@ -83,6 +84,7 @@ class Engine:
         prefix_cache_blocks: int = 0,
         prefix_block_size: int = BLOCK_SIZE,
         prefix_isolation: str = "shared",
+        prefix_disk: DiskTier | None = None,
         row_tokens: int | None = None,
         controller: SpeculationController | None = None,
         clock: Callable[[], float] | None = None,
@@ -90,7 +92,8 @@ class Engine:
         """`controller`: the speculation policy (default: from `num_speculative_tokens`, `adaptive` and
         `disable_by_batch_size`); `prefix_isolation`: "shared" (vLLM's: requests without a `cache_salt` share
         cached prefixes with each other) or "salt" (only salted requests use the prefix cache, each salt its
-        own: how much of a prompt was cached tells nothing of another tenant's prompts); `row_tokens`: the K/V
+        own: how much of a prompt was cached tells nothing of another tenant's prompts); `prefix_disk`: the prefix
+        cache's disk tier (`disk_cache.DiskTier`), or None; `row_tokens`: the K/V
         slots all running sequences share, in pages (default: `max_batch_size` sequences of `max_model_len`;
         fewer: sequences run while their lengths fit it, see `Scheduler`); `clock`:
         what every part of a step is timed with, by the controller and the proposer too (default: the
@@ -129,7 +132,7 @@ class Engine:
         self.metrics = SpecMetrics()  # cumulative
         self._aborted: set[str] = set()
         self._failed: list[Sequence] = []  # failed in this step (`_isolated`), reported at its end
-        self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size, mapped) \
+        self.prefix_cache = PrefixCache(caches, prefix_cache_blocks, prefix_block_size, mapped, prefix_disk) \
             if prefix_cache_blocks > 0 else None
         self.prefill = Prefill(self.cache, self.proposer, controller, self._now, self.prefix_cache, prefix_isolation)
 

@@ -31,6 +31,7 @@ class SpecMetrics:
     emitted_tokens: int = 0  # tokens produced by those passes
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    disk_cached_tokens: int = 0  # of those, the tokens whose blocks were read back from the disk tier
     preemptions: int = 0  # times it stepped out of the batch for want of K/V pages (and recomputed its tokens)
     prefill_time: float = 0.0  # seconds
     draft_time: float = 0.0
@@ -61,7 +62,7 @@ class SpecMetrics:
 
     def merge(self, other: "SpecMetrics") -> None:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_passes", "emitted_tokens",
-                     "prompt_tokens", "cached_tokens", "preemptions"):
+                     "prompt_tokens", "cached_tokens", "disk_cached_tokens", "preemptions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("prefill_time", "draft_time", "target_time", "total_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -108,6 +109,7 @@ class SpecMetrics:
             "emitted_tokens": self.emitted_tokens,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "disk_cached_tokens": self.disk_cached_tokens,
             "preemptions": self.preemptions,
             "prefill_time_s": round(self.prefill_time, 4),
             "draft_time_s": round(self.draft_time, 4),

@@ -111,6 +111,8 @@ class Prefill:
         self.cache.truncate(row, cached)
         if seq.num_output == 0:  # (not its own tokens, found again where it was preempted)
             seq.metrics.cached_tokens = cached
+            ram = (len(found) - pc.from_disk) * pc.block_size  # (the disk's blocks end the chain)
+            seq.metrics.disk_cached_tokens = max(0, min(cached, len(chain) * pc.block_size) - ram)
         return cached
 
     def save(self, seq) -> None:

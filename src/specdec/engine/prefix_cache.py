@@ -26,6 +26,11 @@ matches whole or not at all, so a guess at another request's tokens is confirmed
 a whole block is (a match token by token would let an unsalted client read another's prompt one token per
 guess).
 
+With a disk tier (`disk_cache.DiskTier`), every whole block the target's cache saves is also written to disk
+under its key, and a lookup whose chain the RAM blocks stop short of reads the next blocks from disk into RAM
+blocks (a page of the mapped cache each), which are then restored as any cached block is: a restarted
+process, or one sharing the directory, finds a prompt read before without computing it.
+
 When the pool is full, saving evicts the least recently used block, but never one whose pages a row holds too
 (mapped into a running sequence, or still its own: evicting it would free no memory, as vLLM keeps a block
 in use out of its free queue). Rows may take a mapped cache's whole pool: a pass that finds no free page
@@ -53,6 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specdec.engine.disk_cache import DiskTier
 from specdec.models.kv_cache import PAGE, KVCache
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's default)
@@ -109,7 +115,7 @@ class PrefixCache:
     those named in `mapped` (each with `num_blocks` pages set aside in its pool) keep their blocks as pages."""
 
     def __init__(self, caches: dict[str, KVCache], num_blocks: int, block_size: int = BLOCK_SIZE,
-                 mapped: tuple[str, ...] = ()) -> None:
+                 mapped: tuple[str, ...] = (), disk: DiskTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"a prefix cache needs at least one block, got {num_blocks}")
         if mapped and block_size != PAGE:
@@ -131,6 +137,8 @@ class PrefixCache:
             self.pools[name] = torch.empty(shape, dtype=cache.keys[0].dtype, device=cache.keys[0].device)
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self._used = 0  # blocks ever handed out; past num_blocks, a block is had by evicting one
+        self.disk = disk  # the target's whole blocks, written through and read back on a miss
+        self.from_disk = 0  # blocks at the end of the last lookup's chain that came from disk
 
     @property
     def nbytes(self) -> int:
@@ -152,8 +160,64 @@ class PrefixCache:
             if block is None or block.size < self.block_size:
                 break
             chain.append(block)
+        self.from_disk = 0
+        if self.disk is not None and len(chain) < len(keys):
+            read = self._read_disk(keys[len(chain):], {block.id for block in chain})
+            self.from_disk = len(read)
+            chain += read
         self._touch(keys[:len(chain)])
         return chain
+
+    def _read_disk(self, keys: list[bytes], keep: set[int]) -> list[Block]:
+        """The blocks of `keys` (from the first, as long as each is on disk and intact) read into RAM blocks."""
+        out: list[Block] = []
+        for key in keys:
+            got = self.disk.read(key, "target")
+            if got is None or got[1] != self.block_size:
+                break
+            block = self._allocate(key, keep, self.block_size)
+            if block is None:
+                break
+            if not self._fill("target", block, got[0]):
+                del self.blocks[key]
+                self._spare.append(block)
+                break
+            keep.add(block.id)
+            out.append(block)
+        return out
+
+    def _fill(self, name: str, block: Block, data: torch.Tensor) -> bool:
+        """Put `data` (a whole block of cache `name`, as `_block_data` gives it) into `block`; False if it does
+        not fit the cache or no page is free."""
+        cache = self.mapped.get(name)
+        if cache is not None:
+            layers = len(cache.keys)
+            want = (2 * layers, *cache.keys[0].shape[1:])
+            if tuple(data.shape) != want or data.dtype != cache.keys[0].dtype:
+                return False
+            page = cache.take_page()
+            if page is None:
+                return False
+            data = data.to(cache.keys[0].device)
+            for layer, kv in enumerate(cache.keys + cache.values):
+                kv[page].copy_(data[layer])
+            block.pages[name] = page
+            self.held_pages[name].add(page)
+        else:
+            pool = self.pools[name]
+            if tuple(data.shape) != tuple(pool.shape[1:]) or data.dtype != pool.dtype:
+                return False
+            pool[block.id].copy_(data)
+        block.caches.add(name)
+        return True
+
+    def _block_data(self, name: str, block: Block) -> torch.Tensor:
+        """Block `block` of cache `name` as one tensor [2 * layers (keys, then values), kv_heads, size, head_dim]."""
+        cache = self.mapped.get(name)
+        if cache is not None:
+            page = block.pages[name]
+            return torch.stack([kv[page] for kv in cache.keys + cache.values])
+        return self.pools[name][block.id]
 
     def tail(self, name: str, keys: list[bytes], tokens: list[int], salt: str | None = None) -> Block | None:
         """The longest tail holding cache `name` cached after the chain of whole blocks `keys` (as `lookup` found
@@ -203,6 +267,7 @@ class PrefixCache:
                 cache.hold(block.pages[name])
                 self.held_pages[name].add(block.pages[name])
                 block.caches.add(name)
+            self._write_disk(name, keys, todo)
             return
         device = cache.table.device  # (a tail's slots past its tokens are copied too, never read)
         pool, m, ids = self.pools[name], len(todo), [block.id for _, block in todo]
@@ -228,6 +293,15 @@ class PrefixCache:
             pool.index_copy_(0, index, src.unflatten(1, (m, B)).permute(1, 0, 3, 2, 4))
         for _, block in todo:
             block.caches.add(name)
+        self._write_disk(name, keys, todo)
+
+    def _write_disk(self, name: str, keys: list[bytes], todo: list[tuple[int, Block]]) -> None:
+        """Write the target's newly saved whole blocks through to the disk tier (tails stay in RAM)."""
+        if self.disk is None or name != "target":
+            return
+        for i, block in todo:
+            if block.size == self.block_size:
+                self.disk.write(keys[i], name, self._block_data(name, block), block.size)
 
     def load(self, name: str, chain: list[Block], cache: KVCache, row: int, shift: int = 0,
              tail: Block | None = None) -> int:

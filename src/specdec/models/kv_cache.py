@@ -222,6 +222,16 @@ class KVCache:
             raise ValueError(f"page {page} is free: only a page a row holds can be held")
         self.refs[page] += 1
 
+    def take_page(self) -> int | None:
+        """A free page for the prefix cache to hold (one holder), whose slots it then writes whole (a block read
+        back from disk); None when no page is free."""
+        if not self.free:
+            return None
+        page = self.free.pop()
+        self.refs[page] = 1
+        self.zeroed[page] = True  # (all its slots are written at once)
+        return page
+
     def release(self, page: int) -> None:
         """One holder fewer of `page`: free when none is left."""
         self.refs[page] -= 1

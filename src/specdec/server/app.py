@@ -82,6 +82,9 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
+    prefix = getattr(getattr(engine_client, "engine", None), "prefix_cache", None)
+    if getattr(prefix, "disk", None) is not None:
+        metrics.watch_disk(prefix.disk)
     server = _Server(engine_client, names, metrics, sampling_defaults or {}, default_max_tokens,
                      special_tokens_in_messages)
     server.lenient_json_schemas = lenient_json_schemas

@@ -103,7 +103,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--override-generation-config", default=None, metavar="JSON",
                         help="default sampling parameters set on top, e.g. '{\"temperature\": 0.5}'")
     add_replica_arguments(parser.add_argument_group("replicas (Ray Serve; docs/replicas.md)"))
-    return add_llm_arguments(parser)
+    add_llm_arguments(parser)
+    parser.set_defaults(prefix_cache_disk=True)  # a server keeps its prefix cache across restarts
+    return parser
 
 
 def add_replica_arguments(group: argparse._ArgumentGroup) -> None:
@@ -297,6 +299,10 @@ def _print_startup(info: dict[str, Any], memory_report: str, names: list[str], a
     else:
         print("  speculation: off")
     print("\n".join(f"  {line}" for line in memory_report.splitlines()))
+    disk = info.get("prefix_cache_disk")
+    if disk:
+        print(f"  prefix cache on disk: {disk['dir']}, up to {disk['budget_bytes'] / 2**30:.1f} GiB shared by the "
+              f"processes there ({disk['used_bytes'] / 2**30:.2f} GiB now; --no-prefix-cache-disk: RAM only)")
     key = "" if not args.api_key else "; API key required on every route but /health" + \
         (" and /metrics" if args.public_metrics else "")
     print(f"  served model name: {', '.join(names)}{key}")

@@ -13,7 +13,9 @@ From these:  acceptance rate = accepted_tokens / draft_tokens,
                                                                       `specdec.engine.metrics.mean_acceptance_length`).
 
 Prefix caching (vLLM's names and meanings): `specdec:prefix_cache_queries_total` (prompt tokens looked up) and
-`specdec:prefix_cache_hits_total` (those found cached); hit rate = hits / queries.
+`specdec:prefix_cache_hits_total` (those found cached); hit rate = hits / queries. The disk tier:
+`specdec:prefix_cache_disk_hits_total` (cached tokens read back from disk), and gauges of its folder's bytes,
+the bytes this process wrote and read, and the files it removed for the budget or as damaged.
 
 Requests: `specdec:request_success_total{finished_reason}` (stop, length, abort), `specdec:prompt_tokens_total`,
 `specdec:generation_tokens_total`, histograms `specdec:time_to_first_token_seconds`,
@@ -71,6 +73,17 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_cache_disk_hits = counter("prefix_cache_disk_hits",
+                                              "Prefix cache hits read back from the disk tier, in cached tokens.")
+        self._disk = None  # the prefix cache's disk tier (`watch_disk`)
+        gauge = lambda name, doc: Gauge(f"specdec:{name}", doc, m, registry=r)  # noqa: E731
+        self.disk_gauges = {
+            "bytes": gauge("prefix_cache_disk_bytes", "Bytes of K/V blocks in the disk tier's folder (all processes')."),
+            "written": gauge("prefix_cache_disk_written_bytes", "Bytes this process wrote to the disk tier."),
+            "read": gauge("prefix_cache_disk_read_bytes", "Bytes this process read back from the disk tier."),
+            "evictions": gauge("prefix_cache_disk_evictions", "Block files this process removed for the budget."),
+            "corrupt": gauge("prefix_cache_disk_corrupt", "Block files removed as torn, truncated or changed."),
+        }
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
         self.request_success = counter("request_success", "Count of finished requests.", ("finished_reason",))
         self.http_requests = counter("http_requests", "HTTP answers by route and status.", ("method", "path", "status"))
@@ -97,6 +110,7 @@ class ServerMetrics:
                     self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
                     self.prefix_cache_queries.labels(name).inc(len(out.prompt_token_ids))
                     self.prefix_cache_hits.labels(name).inc(s.cached_tokens)
+                    self.prefix_cache_disk_hits.labels(name).inc(s.disk_cached_tokens)
                 self.num_drafts.labels(name).inc(max(0, s.num_drafts - prev[0]))
                 self.num_draft_tokens.labels(name).inc(max(0, s.num_draft_tokens - prev[1]))
                 self.num_accepted_tokens.labels(name).inc(max(0, s.num_accepted_tokens - prev[2]))
@@ -134,5 +148,14 @@ class ServerMetrics:
         method = method if method in HTTP_METHODS else "other"
         self.http_requests.labels(self.model_name, method, path, str(status)).inc()
 
+    def watch_disk(self, disk) -> None:
+        """Report the disk tier `disk` (`DiskTier`) in the gauges, read at each scrape."""
+        self._disk = disk
+
     def render(self) -> bytes:
+        if self._disk is not None:
+            stats, name = self._disk.stats, self.model_name
+            for key, value in (("bytes", self._disk.usage()), ("written", stats.bytes_written),
+                               ("read", stats.bytes_read), ("evictions", stats.evictions), ("corrupt", stats.corrupt)):
+                self.disk_gauges[key].labels(name).set(value)
         return generate_latest(self.registry)

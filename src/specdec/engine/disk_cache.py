@@ -1,0 +1,240 @@
+"""The prefix cache's disk tier: K/V blocks that outlive the process (a restart, an eviction from RAM, another
+replica on the machine), so that a prompt read once is never computed again.
+
+Each whole block a prefix cache saves (`PrefixCache.save`) is also written here, one file a block and cache,
+named by the block's chain key (`prefix_cache.block_keys`: the hash of the salt and of every token up to the
+block's end, so a salted tenant's blocks have keys no other tenant can produce). A lookup that the RAM blocks
+do not cover reads the chain's next blocks back (`PrefixCache.lookup`) into RAM, and they are restored as any
+cached block is.
+
+The directory is `root / namespace`: the namespace is the hash of what decides a block's bits (the model
+file's digest, the weights' format, the dtypes, the K/V format and the kernels' numerics), so a block written
+by another model or another arithmetic is never read. Writes are atomic (a temporary file, then a rename);
+each file ends with the sha256 of its header and data, and a file that is torn, truncated or changed is
+removed and recomputed, never served. The directory is created 0700. Its size is kept within `budget`
+bytes: past it, the least recently used files (by modification time, which a read refreshes) are removed,
+under a lock file, so that several processes sharing the directory keep one budget between them.
+
+File layout: MAGIC, a 4-byte little-endian header length, the header (JSON: cache name, dtype, shape, tokens),
+the data (the tensor's bytes), then the sha256 of header and data.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAGIC = b"SPDKVB01"
+NUMERICS_VERSION = "1"  # bumped when the kernels' arithmetic (so the K/V they write) changes
+_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8)}
+
+
+@dataclass
+class DiskStats:
+    hits: int = 0  # blocks read back
+    misses: int = 0  # blocks looked for and not there
+    writes: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    evictions: int = 0  # files removed for the budget
+    corrupt: int = 0  # files removed as torn, truncated or changed
+
+
+def namespace(*parts: object) -> str:
+    """The directory name for blocks whose bits `parts` decide (32 hex digits)."""
+    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:32]
+
+
+class DiskTier:
+    """Blocks of K/V on disk under `root / space`, within `budget` bytes (shared with other processes there)."""
+
+    def __init__(self, root: str | Path, space: str, budget: int) -> None:
+        if budget <= 0:
+            raise ValueError(f"a disk tier needs a positive budget, got {budget} bytes")
+        root = Path(root).expanduser()
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dir = root / space
+        self.dir.mkdir(exist_ok=True, mode=0o700)
+        for d in (root, self.dir):
+            os.chmod(d, 0o700)
+        self.budget = budget
+        self.stats = DiskStats()
+        self._lock = self.dir / ".lock"
+        self._since_check = 0  # bytes written since the directory's size was last summed
+
+    def path(self, key: bytes, name: str) -> Path:
+        return self.dir / f"{key.hex()}.{name}"
+
+    def has(self, key: bytes, name: str) -> bool:
+        return self.path(key, name).is_file()
+
+    def read(self, key: bytes, name: str) -> tuple[torch.Tensor, int] | None:
+        """(the block's data, its tokens), or None where there is none or it fails its checks (then removed)."""
+        path = self.path(key, name)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            self.stats.misses += 1
+            return None
+        parsed = _parse(raw, name)
+        if parsed is None:
+            self.stats.corrupt += 1
+            _unlink(path)
+            return None
+        try:
+            os.utime(path)  # most recently used
+        except OSError:
+            pass
+        self.stats.hits += 1
+        self.stats.bytes_read += len(raw)
+        return parsed
+
+    def write(self, key: bytes, name: str, data: torch.Tensor, tokens: int) -> None:
+        """Keep `data` (a block of `tokens` tokens of cache `name`) under `key`: atomic, then within budget. A block
+        already there is only marked used (its bits are the same: the key and namespace decide them)."""
+        path = self.path(key, name)
+        if path.is_file():
+            try:
+                os.utime(path)
+                return
+            except OSError:
+                pass
+        data = data.detach().to("cpu").contiguous()
+        header = json.dumps({"name": name, "dtype": str(data.dtype), "shape": list(data.shape),
+                             "tokens": tokens}).encode()
+        payload = data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.uint8 else data.numpy().tobytes()
+        digest = hashlib.sha256(header + payload).digest()
+        blob = MAGIC + struct.pack("<I", len(header)) + header + payload + digest
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink(Path(tmp))
+                raise
+        except OSError:  # a full or read-only disk: the block stays in RAM only
+            return
+        self.stats.writes += 1
+        self.stats.bytes_written += len(blob)
+        self._since_check += len(blob)
+        if self._since_check >= self.budget // 16:
+            self.enforce_budget()
+
+    def usage(self) -> int:
+        """Bytes of block files in the directory (all processes')."""
+        return sum(size for _, size, _ in self._files())
+
+    def enforce_budget(self) -> int:
+        """Remove least recently used files until the directory holds at most the budget; returns how many."""
+        self._since_check = 0
+        removed = 0
+        with open(self._lock, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                files = sorted(self._files(), key=lambda f: f[2])  # oldest first
+                total = sum(size for _, size, _ in files)
+                for path, size, _ in files:
+                    if total <= self.budget:
+                        break
+                    if _unlink(path):
+                        removed += 1
+                    total -= size
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        self.stats.evictions += removed
+        return removed
+
+    def clear(self) -> None:
+        for path, _, _ in self._files():
+            _unlink(path)
+
+    def _files(self) -> list[tuple[Path, int, float]]:
+        out = []
+        try:
+            entries = list(os.scandir(self.dir))
+        except OSError:
+            return out
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat()
+            except OSError:  # removed meanwhile (another process)
+                continue
+            out.append((Path(entry.path), st.st_size, st.st_mtime))
+        return out
+
+
+def _parse(raw: bytes, name: str) -> tuple[torch.Tensor, int] | None:
+    """The tensor and token count of a block file's bytes, or None if they fail any check."""
+    if len(raw) < len(MAGIC) + 4 + 32 or raw[:len(MAGIC)] != MAGIC:
+        return None
+    (hlen,) = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    if start + hlen + 32 > len(raw):
+        return None
+    body, digest = raw[start:-32], raw[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    try:
+        header = json.loads(body[:hlen])
+        dtype, shape, tokens = _DTYPES[header["dtype"]], [int(s) for s in header["shape"]], int(header["tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    payload = body[hlen:]
+    count = 1
+    for s in shape:
+        count *= s
+    if header.get("name") != name or count * torch.empty(0, dtype=dtype).element_size() != len(payload):
+        return None
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return data.view(dtype).reshape(shape), tokens
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def file_digest(path: str | Path, home: Path) -> str:
+    """sha256 of a model file (or of a folder's files, in name order), remembered in `home`/digests.json by
+    path, size and modification time, so that it is computed once per file (about a second a GB)."""
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    stamp = hashlib.sha256(json.dumps([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode())
+    memo = home / "digests.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if stamp.hexdigest() in known:
+        return known[stamp.hexdigest()]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    digest = h.hexdigest()
+    known[stamp.hexdigest()] = digest
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return digest
