@@ -13,7 +13,8 @@ by another model or another arithmetic is never read. Writes are atomic (a tempo
 each file ends with the sha256 of its header and data, and a file that is torn, truncated or changed is
 removed and recomputed, never served. The directory is created 0700. Its size is kept within `budget`
 bytes: past it, the least recently used files (by modification time, which a read refreshes) are removed,
-under a lock file, so that several processes sharing the directory keep one budget between them.
+under a lock file, so that several processes sharing the directory keep one budget between them; a killed
+writer's temporary file goes once it is ten minutes old.
 
 File layout: MAGIC, a 4-byte little-endian header length, the header (JSON: cache name, dtype, shape, tokens),
 the data (the tensor's bytes), then the sha256 of header and data.
@@ -27,6 +28,7 @@ import json
 import os
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,13 +136,21 @@ class DiskTier:
         """Bytes of block files in the directory (all processes')."""
         return sum(size for _, size, _ in self._files())
 
-    def enforce_budget(self) -> int:
-        """Remove least recently used files until the directory holds at most the budget; returns how many."""
+    def enforce_budget(self, stale_s: float = 600.0) -> int:
+        """Remove least recently used files until the directory holds at most the budget, and temporary files
+        older than `stale_s` seconds (a writer killed mid-write leaves its own); returns how many blocks."""
         self._since_check = 0
         removed = 0
         with open(self._lock, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
+                now = time.time()
+                for entry in list(os.scandir(self.dir)):
+                    try:
+                        if entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > stale_s:
+                            _unlink(Path(entry.path))
+                    except OSError:
+                        pass
                 files = sorted(self._files(), key=lambda f: f[2])  # oldest first
                 total = sum(size for _, size, _ in files)
                 for path, size, _ in files:
