@@ -19,6 +19,10 @@ if "SPECDEC_PREFIX_CACHE_DIR" not in os.environ:
     _kv = tempfile.mkdtemp(prefix="specdec-test-kv-")
     os.environ["SPECDEC_PREFIX_CACHE_DIR"] = _kv
     atexit.register(shutil.rmtree, _kv, ignore_errors=True)
+if "SPECDEC_RESPONSES_DB" not in os.environ:  # (and the stored responses of /v1/responses, likewise)
+    _db = tempfile.mkdtemp(prefix="specdec-test-responses-")
+    os.environ["SPECDEC_RESPONSES_DB"] = os.path.join(_db, "responses.sqlite3")
+    atexit.register(shutil.rmtree, _db, ignore_errors=True)
 
 TINY = dict(
     vocab_size=97,

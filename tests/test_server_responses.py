@@ -8,6 +8,8 @@ for, the answer comes back as output items (whole, and as the events the SDK's s
 
 from __future__ import annotations
 
+import time
+
 import json
 
 import httpx
@@ -195,6 +197,63 @@ def test_the_store_is_bounded():
     with pytest.raises(Exception, match="not found"):
         store.get("resp_huge")
     store.get("resp_big2")
+
+
+def test_stored_responses_in_a_file_outlive_the_store_and_are_shared_scoped_and_bounded(tmp_path):
+    """A SQLite store (`specdec serve`'s): a response kept by one store is read by another on the same file (a
+    restarted server, another replica), only under the scope (`cache_salt`) it was stored with; the bounds hold
+    for the file; past the retention a response is gone; the file is the server user's alone."""
+    import os
+    import stat
+
+    db = tmp_path / "state" / "responses.sqlite3"
+    first = ResponseStore(max_responses=3, path=db)
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    first.put({"id": "resp_a", "output": []}, talk)
+    first.put({"id": "resp_salted"}, talk, scope="tenant-1")
+    restarted, replica = ResponseStore(max_responses=3, path=db), ResponseStore(max_responses=3, path=db, owner="r2")
+    assert restarted.get("resp_a") == ({"id": "resp_a", "output": []}, talk)
+    assert replica.get("resp_salted", scope="tenant-1")[1] == talk
+    for scope in (None, "tenant-2"):
+        with pytest.raises(Exception, match="not found"):
+            replica.get("resp_salted", scope=scope)
+    for i in range(3):
+        replica.put({"id": f"resp_{i}"}, talk)
+    with pytest.raises(Exception, match="not found"):  # 3 kept in the file: the two oldest went
+        restarted.get("resp_a")
+    assert [restarted.get(f"resp_{i}")[0]["id"] for i in range(3)] == ["resp_0", "resp_1", "resp_2"]
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+    short = ResponseStore(path=tmp_path / "short.sqlite3", retention_s=0.05)
+    short.put({"id": "resp_old"}, talk)
+    assert short.get("resp_old")[1] == talk
+    time.sleep(0.1)
+    with pytest.raises(Exception, match="not found"):
+        short.get("resp_old")
+
+
+def test_a_conversation_continues_across_a_server_restart_and_on_another_server_on_the_same_file(tmp_path):
+    """Two servers one after the other (a restart), then two at once (replicas), on one responses file: a
+    response stored by the first is continued by the others through `previous_response_id`, its turn in their
+    prompts; a salted one only with its salt."""
+    db = str(tmp_path / "responses.sqlite3")
+    with LiveServer(SayEngine(), responses_db=db) as first:
+        first.engine.say = "Four."
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", max_retries=0)
+        stored = client.responses.create(model=MODEL, input="What is 2 + 2?", temperature=0)
+        salted = client.responses.create(model=MODEL, input="Secret?", temperature=0, extra_body={"cache_salt": "t1"})
+    with LiveServer(SayEngine(), responses_db=db) as restarted, LiveServer(SayEngine(), responses_db=db) as replica:
+        for server in (restarted, replica):
+            server.engine.say = "Eight."
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            again = client.responses.create(model=MODEL, previous_response_id=stored.id, input="And 4 + 4?",
+                                            temperature=0)
+            assert again.output_text == "Eight."
+            assert "What is 2 + 2?<|im_end|>\n<|im_start|>assistant\nFour.<|im_end|>\n" in server.engine.prompts[-1]
+            assert client.responses.retrieve(stored.id).output_text == "Four."
+            with pytest.raises(openai.NotFoundError):
+                client.responses.create(model=MODEL, previous_response_id=salted.id, input="more")
+            client.responses.create(model=MODEL, previous_response_id=salted.id, input="more",
+                                    extra_body={"cache_salt": "t1"})
 
 
 def test_text_format_and_tool_choice_become_the_chat_paths(client, live, monkeypatch):

@@ -65,6 +65,8 @@ def build_app(
     public_metrics: bool = False,
     lenient_json_schemas: bool = False,
     response_store: ResponseStore | None = None,
+    responses_db: str | None = None,
+    responses_retention_s: float | None = None,
 ) -> FastAPI:
     """The app serving `engine_client` under `served_model_name` (the first of a list is the name answers
     carry; requests may use any). Starts the engine thread on startup and stops it on shutdown.
@@ -78,7 +80,8 @@ def build_app(
     (`specdec.server.limits`). JSON schemas (response_format, required tool calls) allow only the properties
     they list unless they say otherwise, or `lenient_json_schemas` (then unless they ask for `strict`).
     /v1/messages (Anthropic's) and /v1/responses (OpenAI's) are translated into chat requests; stored
-    responses are kept in `response_store` (bounded, in memory)."""
+    responses are kept in `response_store` (bounded; default: in memory, or in the SQLite file `responses_db`), each under its request's `cache_salt`
+    (`GET /v1/responses/{id}?cache_salt=...` reads a salted one)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = metrics or ServerMetrics(names[0])
     engine_client.add_step_listener(metrics.on_step)
@@ -88,7 +91,8 @@ def build_app(
     server = _Server(engine_client, names, metrics, sampling_defaults or {}, default_max_tokens,
                      special_tokens_in_messages)
     server.lenient_json_schemas = lenient_json_schemas
-    store = response_store if response_store is not None else ResponseStore()
+    store = response_store if response_store is not None else \
+        ResponseStore(path=responses_db, retention_s=responses_retention_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -136,13 +140,13 @@ def build_app(
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         req = await _parse(request, ResponsesRequest)
-        history = store.get(req.previous_response_id)[1] if req.previous_response_id else []
+        history = store.get(req.previous_response_id, scope=req.cache_salt)[1] if req.previous_response_id else []
         translator = ResponseTranslator(req, names[0], history + req.input_messages(), store)
         return await with_cancellation(request, server.translated(req.to_chat(history), translator))
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict:
-        return store.get(response_id, param="response_id")[0]
+    async def get_response(response_id: str, cache_salt: str | None = None) -> dict:
+        return store.get(response_id, param="response_id", scope=cache_salt)[0]
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

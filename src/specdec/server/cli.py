@@ -86,6 +86,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--public-metrics", action="store_true",
                         help="with --api-key: serve /metrics without the key too, for a Prometheus scraper (it "
                              "shows token counts moving with other users' requests)")
+    parser.add_argument("--responses-db", default=None, metavar="PATH",
+                        help="the SQLite file keeping /v1/responses' stored responses across restarts, shared by the "
+                             "replicas of a machine (default $SPECDEC_RESPONSES_DB, else $SPECDEC_HOME/responses.sqlite3; "
+                             "'memory': in this process only)")
+    parser.add_argument("--responses-retention-hours", type=float, default=720.0, metavar="H",
+                        help="stored responses older than this are gone (default 720: 30 days, as OpenAI's)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients use (default: TARGET as given)")
     # vLLM's flags, with vLLM's meanings where they apply here
@@ -222,7 +228,16 @@ def app_options(args: argparse.Namespace, llm, name: str, sampling_defaults: dic
                 sampling_defaults=sampling_defaults, default_max_tokens=args.default_max_tokens,
                 special_tokens_in_messages=args.special_tokens_in_messages,
                 limit_concurrency=args.limit_concurrency, timeout_body=args.timeout_body,
-                public_metrics=args.public_metrics, lenient_json_schemas=args.lenient_json_schemas)
+                public_metrics=args.public_metrics, lenient_json_schemas=args.lenient_json_schemas,
+                responses_db=responses_db(args), responses_retention_s=args.responses_retention_hours * 3600)
+
+
+def responses_db(args: argparse.Namespace) -> str | None:
+    """The file of the stored responses (`--responses-db`), or None to keep them in memory."""
+    from specdec.config import specdec_home
+
+    path = args.responses_db or os.environ.get("SPECDEC_RESPONSES_DB") or str(specdec_home() / "responses.sqlite3")
+    return None if path == "memory" else path
 
 
 def load_for_serving(args: argparse.Namespace, target: str, draft: str | None):

@@ -113,7 +113,9 @@ class EngineReplica:
         engine, names, options = spec.load().load_engine(spec.args)
         self.engine = AsyncEngine(engine, max_waiting_requests=spec.args.max_waiting_requests)
         self.metrics = ServerMetrics(names[0])
-        store = ResponseStore(owner=context.replica_id.unique_id)  # its ids name this replica (for the router)
+        # its ids name this replica (for the router); the file, if any, is shared by the replicas of the machine
+        store = ResponseStore(owner=context.replica_id.unique_id, path=options.pop("responses_db", None),
+                              retention_s=options.pop("responses_retention_s", None))
         self.app = build_app(self.engine, names, metrics=self.metrics, response_store=store, **options)
         self.engine.start()
         self.identity = (context.replica_id.unique_id, context.rank.rank if context.rank else -1, os.getpid())

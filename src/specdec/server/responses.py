@@ -14,9 +14,10 @@ streamed, is translated back (`ResponseTranslator`). Input items map to chat mes
     {"type": "reasoning", ...}                       -> dropped (this model has no reasoning items)
 
 The answer's text is one `message` output item, each tool call a `function_call` item. `store` (default
-true, as OpenAI's) keeps the response and its conversation in memory (`ResponseStore`: the most recent
-`max_responses`, at most `max_chars` characters of them, lost on restart), so a later request may continue it
-with `previous_response_id`, as vLLM does; the earlier request's `instructions` are not carried over.
+true, as OpenAI's) keeps the response and its conversation (`ResponseStore`: the most recent `max_responses`,
+at most `max_chars` characters of them; in memory, or in a SQLite file that outlives the server and that its
+replicas share, as `specdec serve` keeps them), so a later request may continue it with
+`previous_response_id`, as vLLM does; the earlier request's `instructions` are not carried over.
 Fields specdec does not use (`reasoning`, `include`, `prompt_cache_key`, `truncation`, ...) are ignored, as
 vLLM ignores them. Only function tools are offered to the model: built-in tools (`web_search`, ...), custom
 tools and tool namespaces, which Codex sends with every request, are left out of the prompt, since nothing
@@ -27,11 +28,14 @@ that says so.
 from __future__ import annotations
 
 import json
+import os
 import re
+import sqlite3
+import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -232,41 +236,78 @@ def _chat_tool(tool: FunctionTool, where: str) -> dict[str, Any]:
 
 class ResponseStore:
     """Stored responses, newest last, each with its conversation (chat messages, the answer included):
-    at most `max_responses`, and at most `max_chars` characters of conversations (the oldest go first).
-    `owner` names the engine replica holding the store (`specdec serve --replicas`): the ids it gives
-    (`new_id`) carry it, so that a request continuing a response is routed to the replica that stored it
-    (`owner_of`)."""
+    at most `max_responses`, and at most `max_chars` characters of conversations (the oldest go first), none
+    older than `retention_s` seconds (None: no age bound). In memory, or with `path` in one SQLite file
+    (write-ahead log), which outlives the process and which the replicas on a machine share: a conversation
+    continued after a restart, or on another replica, finds its previous response (the bounds then hold for
+    the file). A response is read back only under the `scope` it was stored with (the request's
+    `cache_salt`: a tenant's responses stay its own). `owner` names the engine replica holding the store
+    (`specdec serve --replicas`): the ids it gives (`new_id`) carry it, so that a request continuing a
+    response is routed to the replica that stored it (`owner_of`)."""
 
     def __init__(self, max_responses: int = DEFAULT_MAX_STORED, max_chars: int = DEFAULT_MAX_STORED_CHARS,
-                 owner: str | None = None):
+                 owner: str | None = None, path: str | Path | None = None, retention_s: float | None = None):
         if owner is not None and not _OWNER.fullmatch(owner):
             raise ValueError(f"a response store's owner is letters and digits, got {owner!r}")
         self.max_responses, self.max_chars, self.owner = max_responses, max_chars, owner
-        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
-        self._chars = 0
+        self.retention_s, self.path = retention_s, None if path is None else Path(path)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._db = sqlite3.connect(":memory:" if self.path is None else str(self.path), timeout=30,
+                                   check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            if self.path is not None:
+                os.chmod(self.path, 0o600)
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, scope TEXT NOT NULL, "
+                             "created REAL NOT NULL, size INTEGER NOT NULL, body TEXT NOT NULL, "
+                             "conversation TEXT NOT NULL)")
+            self._db.execute("CREATE INDEX IF NOT EXISTS responses_created ON responses (created)")
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        size = len(json.dumps(conversation)) + len(json.dumps(response))
+    def put(self, response: dict, conversation: list[dict], scope: str | None = None) -> None:
+        body, talk = json.dumps(response), json.dumps(conversation)
+        size = len(talk) + len(body)
         if size > self.max_chars or self.max_responses == 0:
             return
-        self._items[response["id"]] = (response, conversation, size)
-        self._chars += size
-        while len(self._items) > self.max_responses or self._chars > self.max_chars:
-            _, (_, _, dropped) = self._items.popitem(last=False)
-            self._chars -= dropped
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                           (response["id"], scope or "", time.time(), size, body, talk))
+                if self.retention_s is not None:
+                    db.execute("DELETE FROM responses WHERE created < ?", (time.time() - self.retention_s,))
+                count, chars = db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
+                if count > self.max_responses or chars > self.max_chars:  # the oldest go first
+                    drop, freed = [], 0
+                    for rid, n in db.execute("SELECT id, size FROM responses ORDER BY created, rowid"):
+                        if count - len(drop) <= self.max_responses and chars - freed <= self.max_chars:
+                            break
+                        drop.append((rid,))
+                        freed += n
+                    db.executemany("DELETE FROM responses WHERE id = ?", drop)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
 
     def new_id(self) -> str:
         """A new response id: resp_<32 hex digits>, or resp_<owner>_<32 hex digits> for a replica's store."""
         return _item_id("resp" if self.owner is None else f"resp_{self.owner}")
 
-    def get(self, response_id: str, param: str = "previous_response_id") -> tuple[dict, list[dict]]:
-        """(response, conversation); 404 if unknown or no longer kept."""
-        if response_id not in self._items:
+    def get(self, response_id: str, param: str = "previous_response_id",
+            scope: str | None = None) -> tuple[dict, list[dict]]:
+        """(response, conversation); 404 if unknown, no longer kept, or stored under another scope."""
+        with self._lock:
+            row = self._db.execute("SELECT body, conversation, created FROM responses WHERE id = ? AND scope = ?",
+                                   (response_id, scope or "")).fetchone()
+        if row is None or (self.retention_s is not None and row[2] < time.time() - self.retention_s):
+            where = "in memory" if self.path is None else "on disk"
             raise APIError(404, f"Response with id '{response_id}' not found: it was not stored (store: false), or "
-                                f"this server no longer keeps it (it keeps the last {self.max_responses}, in memory)",
+                                f"this server no longer keeps it (it keeps the last {self.max_responses}, {where})",
                            param=param, code="response_not_found")
-        response, conversation, _ = self._items[response_id]
-        return response, conversation
+        return json.loads(row[0]), json.loads(row[1])
 
 
 # ---- chat answers -> responses -----------------------------------------------------------------------------
@@ -337,7 +378,7 @@ class ResponseTranslator:
                      "function": {"name": item["name"], "arguments": item["arguments"]}})
         if reply["content"] is None and "tool_calls" not in reply:  # an empty answer (EOS first) stays a turn
             reply["content"] = ""
-        self.store.put(body, self.conversation + [reply])
+        self.store.put(body, self.conversation + [reply], scope=self.req.cache_salt)
 
     def response(self, chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
