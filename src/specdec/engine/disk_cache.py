@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -82,7 +83,9 @@ class DiskTier:
         """(the block's data, its tokens), or None where there is none or it fails its checks (then removed)."""
         path = self.path(key, name)
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as f:  # into one buffer, which the tensor then views (no copies)
+                raw = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(raw)
         except OSError:
             self.stats.misses += 1
             return None
@@ -112,14 +115,16 @@ class DiskTier:
         data = data.detach().to("cpu").contiguous()
         header = json.dumps({"name": name, "dtype": str(data.dtype), "shape": list(data.shape),
                              "tokens": tokens}).encode()
-        payload = data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.uint8 else data.numpy().tobytes()
-        digest = hashlib.sha256(header + payload).digest()
-        blob = MAGIC + struct.pack("<I", len(header)) + header + payload + digest
+        payload = memoryview(data.view(torch.uint8).numpy()).cast("B")  # bytes, flat (hashed and written in place)
+        h = hashlib.sha256(header)
+        h.update(payload)
+        parts = (MAGIC, struct.pack("<I", len(header)), header, payload, h.digest())
+        size = sum(len(part) for part in parts)
         try:
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    f.write(blob)
+                    f.writelines(parts)
                 os.replace(tmp, path)
             except BaseException:
                 _unlink(Path(tmp))
@@ -127,8 +132,8 @@ class DiskTier:
         except OSError:  # a full or read-only disk: the block stays in RAM only
             return
         self.stats.writes += 1
-        self.stats.bytes_written += len(blob)
-        self._since_check += len(blob)
+        self.stats.bytes_written += size
+        self._since_check += size
         if self._since_check >= self.budget // 16:
             self.enforce_budget()
 
@@ -185,29 +190,26 @@ class DiskTier:
         return out
 
 
-def _parse(raw: bytes, name: str) -> tuple[torch.Tensor, int] | None:
-    """The tensor and token count of a block file's bytes, or None if they fail any check."""
-    if len(raw) < len(MAGIC) + 4 + 32 or raw[:len(MAGIC)] != MAGIC:
-        return None
-    (hlen,) = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])
+def _parse(raw: bytearray, name: str) -> tuple[torch.Tensor, int] | None:
+    """The tensor (a view of `raw`) and token count of a block file's bytes, or None if they fail any check."""
     start = len(MAGIC) + 4
+    if len(raw) < start + 32 or raw[:len(MAGIC)] != MAGIC:
+        return None
+    (hlen,) = struct.unpack("<I", raw[len(MAGIC):start])
     if start + hlen + 32 > len(raw):
         return None
-    body, digest = raw[start:-32], raw[-32:]
-    if hashlib.sha256(body).digest() != digest:
+    view = memoryview(raw)
+    if hashlib.sha256(view[start:-32]).digest() != raw[-32:]:
         return None
     try:
-        header = json.loads(body[:hlen])
+        header = json.loads(raw[start:start + hlen])
         dtype, shape, tokens = _DTYPES[header["dtype"]], [int(s) for s in header["shape"]], int(header["tokens"])
     except (ValueError, KeyError, TypeError):
         return None
-    payload = body[hlen:]
-    count = 1
-    for s in shape:
-        count *= s
-    if header.get("name") != name or count * torch.empty(0, dtype=dtype).element_size() != len(payload):
+    size = len(raw) - 32 - (start + hlen)
+    if header.get("name") != name or math.prod(shape) * dtype.itemsize != size:
         return None
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    data = torch.frombuffer(raw, dtype=torch.uint8, count=size, offset=start + hlen) if size else torch.empty(0, dtype=torch.uint8)
     return data.view(dtype).reshape(shape), tokens
 
 
