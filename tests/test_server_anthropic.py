@@ -93,6 +93,60 @@ def test_max_tokens_is_a_ceiling_cut_to_the_context(client, live):
     assert live.engine.params[-1].max_tokens == live.engine.max_model_len - len(live.engine.prompts[-1].encode())
 
 
+def test_an_answer_cut_by_the_context_stops_with_model_context_window_exceeded(client, live):
+    """Anthropic's stop reason for an answer that ran into the end of the context (`MessageTranslator`);
+    `max_tokens` itself reached is still `max_tokens`."""
+    live.engine.say = "0123456789" * 3
+    overhead = len(rendered([{"role": "user", "content": ""}]).encode())
+    messages = [{"role": "user", "content": "y" * (live.engine.max_model_len - overhead - 6)}]  # room for 6 tokens
+    m = client.messages.create(model="m", max_tokens=32000, messages=messages, timeout=20)  # (no SDK refusal)
+    assert (m.content[0].text, m.stop_reason, m.usage.output_tokens) == ("012345", "model_context_window_exceeded", 6)
+    with client.messages.stream(model="m", max_tokens=32000, messages=messages) as s:
+        assert s.get_final_message().stop_reason == "model_context_window_exceeded"
+    assert client.messages.create(model="m", max_tokens=6, messages=messages).stop_reason == "max_tokens"
+
+
+def test_a_prompt_longer_than_the_context_is_anthropics_prompt_too_long(client, live):
+    """Claude Code compacts on a 400 whose message says "prompt is too long", sized by the two numbers after
+    it (2.1.197's cli.js reads them with the regex below): streamed or not, refused before any event."""
+    import re
+
+    long = [{"role": "user", "content": "é" * 3000}]  # under the bound on characters; 6000 bytes
+    n = len(rendered(long).encode())
+    expected = {"type": "error", "error": {"type": "invalid_request_error",
+                                           "message": f"prompt is too long: {n} tokens > 4096 maximum"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="m", max_tokens=100, messages=long)
+    assert e.value.status_code == 400 and e.value.body == expected
+    with pytest.raises(anthropic.BadRequestError) as e:
+        with client.messages.stream(model="m", max_tokens=100, messages=long) as s:
+            s.get_final_message()
+    assert e.value.body == expected
+    r = httpx.post(live.url + "/v1/messages", json={"model": "m", "max_tokens": 100, "messages": long, "stream": True})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json" and r.json() == expected
+    # certainly too long: refused before tokenizing, at least as many tokens as characters
+    r = httpx.post(live.url + "/v1/messages", json={"model": "m", "max_tokens": 100,
+                                                   "messages": [{"role": "user", "content": "x" * 5000}]})
+    numbers = re.search(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", r.json()["error"]["message"], re.I)
+    assert r.status_code == 400 and int(numbers[1]) > 5000 and numbers[2] == "4096"
+    live.engine.say = "ok"  # and the server answers on
+    assert client.messages.create(model="m", max_tokens=5, messages=PARIS).content[0].text == "ok"
+
+
+def test_context_errors_in_anthropics_words():
+    from specdec.server.anthropic import error_body
+    from specdec.server.protocol import ContextLengthError
+
+    def message(*args, **kw) -> str:
+        return error_body(ContextLengthError(*args, **kw))["error"]["message"]
+
+    assert message(4096, 5000, "messages") == "prompt is too long: 5000 tokens > 4096 maximum"
+    assert message(4096, 4096, "messages") == "prompt is too long: 4096 tokens > 4095 maximum"  # no room to answer
+    assert message(4096, 96, "messages", completion_tokens=4001) == (
+        "input length and `max_tokens` exceed context limit: 96 + 4001 > 4096, decrease input length or `max_tokens` "
+        "and try again")
+
+
 def test_stop_sequences_and_max_tokens(client, live):
     live.engine.say = "one two three"
     m = client.messages.create(model="m", max_tokens=50, stop_sequences=["three", "never"], messages=PARIS)

@@ -309,6 +309,32 @@ def test_errors_through_the_sdk_and_mid_stream():
         assert client.responses.create(model=MODEL, input="hi").status == "completed"  # and answers on
 
 
+def test_a_prompt_longer_than_the_context_is_context_length_exceeded(client, live):
+    """Not streamed: OpenAI's 400 naming `input`. Streamed: response.failed with that code (as OpenAI streams
+    it), the one form Codex compacts on: its SSE parser maps `response.error.code == "context_length_exceeded"`
+    in a response.failed to ContextWindowExceeded, while a 400 ends its turn (`ResponseTranslator`)."""
+    long = "é" * 3000  # under the bound on characters; 6000 bytes, over the context of 4096
+    n = len(rendered([{"role": "user", "content": long}]).encode())
+    message = (f"This model's maximum context length is 4096 tokens. However, your input resulted in {n} tokens. "
+               "Please reduce the length of the input.")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=long)
+    assert e.value.status_code == 400 and e.value.body == {
+        "message": message, "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}
+
+    got = events(live, input=long)
+    assert [e["type"] for e in got] == ["response.created", "response.in_progress", "response.failed"]
+    failed = got[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": "context_length_exceeded", "message": message}
+    stream = list(client.responses.create(model=MODEL, input=long, stream=True))  # and as the SDK reads it
+    assert stream[-1].type == "response.failed" and stream[-1].response.error.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):  # a failed response is not kept
+        client.responses.retrieve(failed["id"])
+
+    live.engine.say = "ok"  # and the server answers on
+    assert client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=5).output_text == "ok"
+
+
 @pytest.mark.parametrize("lenient", [False, True])
 def test_json_schemas_strict_by_default_lenient_by_server_option(monkeypatch, lenient):
     """`--lenient-json-schemas` makes a schema without a word on strictness lenient; a request's own

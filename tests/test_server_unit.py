@@ -623,6 +623,49 @@ def test_a_prompt_certainly_too_long_is_refused_before_tokenizing():
         assert c.post("/v1/completions", json={"prompt": "x" * 200, "max_tokens": 5}).status_code == 200
 
 
+def test_context_overflow_is_openais_context_length_exceeded(live):
+    """The openai SDK and Codex act on `code: "context_length_exceeded"`: a 400 in OpenAI's shape and words,
+    streamed or not, the prompt's exact tokens where it was tokenized, a bound where it was refused before."""
+    openai = pytest.importorskip("openai")
+    oa = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+    head = "This model's maximum context length is 256 tokens. However, "
+    content = "é" * 130  # 130 characters, under the bound; 260 bytes, so 278 tokens with the template
+    n, hi = len(chat_prompt_text(content).encode()), len(chat_prompt_text("hi").encode())
+    cases = [  # (call, param, message)
+        (lambda: oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}]),
+         "messages", f"{head}your messages resulted in {n} tokens. Please reduce the length of the messages."),
+        (lambda: list(oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                 stream=True)),
+         "messages", f"{head}your messages resulted in {n} tokens. Please reduce the length of the messages."),
+        (lambda: oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=250),
+         "messages", f"{head}you requested {hi + 250} tokens ({hi} in the messages, 250 in the completion). Please "
+                     "reduce the length of the messages or completion."),
+        (lambda: oa.completions.create(model=MODEL, prompt="é" * 200, max_tokens=5),
+         "prompt", f"{head}your prompt resulted in 400 tokens. Please reduce the length of the prompt."),
+        (lambda: list(oa.completions.create(model=MODEL, prompt="x" * 300, stream=True)),
+         "prompt", f"{head}your prompt resulted in at least 300 tokens. Please reduce the length of the prompt."),
+    ]
+    for call, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.status_code == 400 and e.value.body == {
+            "message": message, "type": "invalid_request_error", "param": param, "code": "context_length_exceeded"}
+        assert e.value.code == "context_length_exceeded"  # what the SDK's users read
+        # and the server answers the next request
+        r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=50)
+        assert r.choices[0].message.content == expected_chat_reply()
+    r = httpx.post(live.url + "/v1/chat/completions", json=chat_body(content, stream=True))
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"  # refused before the stream
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_models_report_max_model_len_as_vllm():
+    openai = pytest.importorskip("openai")
+    with LiveServer(FakeEngine(max_model_len=8192)) as server:
+        models = openai.OpenAI(base_url=server.url + "/v1", api_key="unused").models.list().data
+        assert [(m.id, m.max_model_len) for m in models] == [(MODEL, 8192)]
+
+
 # ---- metrics --------------------------------------------------------------------------------------------
 
 

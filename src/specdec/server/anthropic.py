@@ -19,7 +19,8 @@ done (images, documents, server tools, thinking with a budget) is refused with a
 `thinking: {"type": "adaptive"}` (Claude Code's default: the model decides) is answered without thinking.
 `output_config.format` (a JSON schema) is the chat path's response_format. The `model`
 is not checked: Anthropic clients send their own model names, and the served model answers them all.
-Errors have Anthropic's shape (`ErrorShape`, for every error on these paths, the middleware's included).
+Errors have Anthropic's shape (`ErrorShape`, for every error on these paths, the middleware's included); a
+prompt longer than the context is Anthropic's "prompt is too long: N tokens > M maximum" (`error_body`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.server.keepalive import DEFAULT_INTERVAL_S, with_heartbeats
-from specdec.server.protocol import APIError, ChatCompletionRequest, validation_error
+from specdec.server.protocol import APIError, ChatCompletionRequest, ContextLengthError, validation_error
 
 PATH = "/v1/messages"
 
@@ -281,11 +282,33 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
 
 
 class MessageTranslator:
-    """One request's chat answer as an Anthropic message (`response`) or event stream (`events`)."""
+    """One request's chat answer as an Anthropic message (`response`) or event stream (`events`), for a
+    request that asked for `max_tokens` from a model of `context` tokens.
 
-    def __init__(self, model: str, heartbeat_s: float = DEFAULT_INTERVAL_S):
-        self.model, self.heartbeat_s = model, heartbeat_s
+    A `max_tokens` beyond the context's room is cut to that room (`_Server.translated`), and an answer that
+    runs to the end of the context stops with `stop_reason: "model_context_window_exceeded"`. Anthropic has
+    answered such a request two ways, and Claude Code (2.1.197's cli.js) handles both: a 400 "input length
+    and `max_tokens` exceed context limit: N + M > L", after which it retries with a smaller max_tokens,
+    and that stop reason (also in the anthropic SDK's StopReason), which it reports as "The model has
+    reached its context window limit". The second needs no second request; Claude Code asks for 32000
+    tokens whatever the model. A prompt that alone does not fit is refused with a 400 before any event:
+    "prompt is too long: N tokens > M maximum" (`error_body`), which makes Claude Code compact."""
+
+    prompt_param = "messages"
+
+    def __init__(self, model: str, max_tokens: int, context: int, heartbeat_s: float = DEFAULT_INTERVAL_S):
+        self.model, self.max_tokens, self.context, self.heartbeat_s = model, max_tokens, context, heartbeat_s
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
+
+    def refused_stream(self, e: ContextLengthError) -> None:
+        """None: Anthropic refuses a prompt too long for the context with an HTTP error, not in a stream."""
+        return None
+
+    def _stop(self, choice: dict[str, Any], prompt_tokens: int) -> tuple[str, str | None]:
+        reason, sequence = _stop(choice["finish_reason"], choice.get("stop_reason"))
+        if reason == "max_tokens" and self.max_tokens > self.context - prompt_tokens:  # the limit was cut
+            return "model_context_window_exceeded", None
+        return reason, sequence
 
     def _message(self, content: list, stop_reason: str | None, stop_sequence: str | None,
                  usage: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +320,7 @@ class MessageTranslator:
         message = choice["message"]
         content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message["content"] else []
         content += [_tool_use(call) for call in message.get("tool_calls") or ()]
-        return self._message(content, *_stop(choice["finish_reason"], choice["stop_reason"]), _usage(chat["usage"]))
+        return self._message(content, *self._stop(choice, chat["usage"]["prompt_tokens"]), _usage(chat["usage"]))
 
     async def events(self, chunks: AsyncIterator[dict], prompt_tokens: int) -> AsyncIterator[str]:
         """message_start, ping, then per content block content_block_start / _delta / _stop (text as it
@@ -345,7 +368,7 @@ class MessageTranslator:
                         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
                         index += 1
                     if choice["finish_reason"] is not None:
-                        stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
+                        stop = self._stop(choice, prompt_tokens)
         except APIError as e:
             yield _event("error", error_body(e))
 
@@ -361,15 +384,36 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 
 def error_body(e: APIError) -> dict[str, Any]:
-    """`{"type": "error", "error": {"type", "message"}}`, the type by status as Anthropic's."""
+    """`{"type": "error", "error": {"type", "message"}}`, the type by status as Anthropic's. A context
+    overflow in Anthropic's words, the numbers where Claude Code reads them (2.1.197's cli.js: "prompt is too
+    long" starts its compaction, and the two numbers after it, "N tokens > M", size what it drops). Example:
+
+        error_body(ContextLengthError(32768, 40000, "messages"))
+        -> {"type": "error", "error": {"type": "invalid_request_error",
+                                       "message": "prompt is too long: 40000 tokens > 32768 maximum"}}
+    """
     kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    message = f"{e.param}: {e.message}" if e.param and e.param not in e.message else e.message
+    if isinstance(e, ContextLengthError):
+        message = _context_message(e)
+    else:
+        message = f"{e.param}: {e.message}" if e.param and e.param not in e.message else e.message
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _context_message(e: ContextLengthError) -> str:
+    if e.completion_tokens:  # (max_tokens is cut to the room here, so only a caller that does not cut sees it)
+        return (f"input length and `max_tokens` exceed context limit: {e.prompt_tokens} + {e.completion_tokens} > "
+                f"{e.context}, decrease input length or `max_tokens` and try again")
+    # a prompt of exactly the context is refused too (the answer needs a token): its maximum is one less
+    maximum = e.context if e.prompt_tokens > e.context else e.context - 1
+    return f"prompt is too long: {e.prompt_tokens} tokens > {maximum} maximum"
 
 
 class ErrorShape:
     """Every JSON error answer on /v1/messages (routes, validation, auth, limits, internal errors) in
-    Anthropic's shape instead of OpenAI's; other paths and successful answers pass untouched."""
+    Anthropic's shape instead of OpenAI's; other paths and successful answers pass untouched. The errors
+    the routes raise arrive in that shape already (the app's handler words them with `error_body`, which
+    needs the error itself, not its OpenAI body) and pass through unchanged."""
 
     def __init__(self, app: ASGIApp):
         self.app = app

@@ -39,7 +39,8 @@ from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.middleware import ApiKeyAuth, CountAnswers, InternalErrors
 from specdec.server.prompts import chat_prompt_ids, completion_prompt_ids, refuse_if_too_long
 from specdec.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, new_id, validation_error,
+    APIError, ChatCompletionRequest, CompletionRequest, ContextLengthError, DetokenizeRequest, TokenizeRequest, new_id,
+    validation_error,
 )
 from specdec.server.renderers import ChatRenderer, CompletionRenderer, Renderer
 from specdec.server.responses import ResponseStore, ResponsesRequest, ResponseTranslator
@@ -110,6 +111,8 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        if request.url.path.startswith(anthropic.PATH):  # in Anthropic's words, from the error's own numbers
+            return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -129,8 +132,8 @@ def build_app(
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         req = await _parse(request, anthropic.MessagesRequest)
-        return await with_cancellation(request, server.translated(req.to_chat(),
-                                                                   anthropic.MessageTranslator(names[0])))
+        translator = anthropic.MessageTranslator(names[0], req.max_tokens, engine_client.max_model_len)
+        return await with_cancellation(request, server.translated(req.to_chat(), translator))
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> dict:
@@ -216,8 +219,16 @@ class _Server:
         """A chat request answered in another API's shape (/v1/messages, /v1/responses): `translator` turns
         the chat answer into its body (`response(chat body)`) or its stream into that API's SSE events
         (`events(chat chunks, prompt length)`, the chunks ending with the usage chunk, an APIError raised
-        mid-stream). Its `max_tokens` is a ceiling: the answer may stop at the end of the context."""
-        request, renderer = await self.start_chat(req, fit_context=True)
+        mid-stream). Its `max_tokens` is a ceiling: the answer may stop at the end of the context. A prompt
+        longer than the context is refused as that API refuses it: a 400 before any event, unless the
+        translator streams the refusal (`refused_stream`: a Responses stream's `response.failed`)."""
+        try:
+            request, renderer = await self.start_chat(req, fit_context=True, param=translator.prompt_param)
+        except ContextLengthError as e:
+            refusal = translator.refused_stream(e) if req.stream else None
+            if refusal is None:
+                raise
+            return SSEResponse(refusal, lambda: None)
         if req.stream:
             return SSEResponse(translator.events(request.chunks(renderer), len(request.prompt_ids[0])),
                                 request.close)
@@ -231,21 +242,22 @@ class _Server:
                                       req.template_tools(), special_text=self.special_text)
         return len(ids)
 
-    async def start_chat(self, req: ChatCompletionRequest, fit_context: bool = False
+    async def start_chat(self, req: ChatCompletionRequest, fit_context: bool = False, param: str = "messages"
                          ) -> tuple["ApiRequest", ChatRenderer]:
         """The chat request submitted to the engine, and the renderer of its answer. `fit_context`: a
-        completion limit beyond the context's room is cut to that room instead of refused."""
+        completion limit beyond the context's room is cut to that room instead of refused. Errors about
+        the prompt name `param` (the request's field that held the messages: `input` for /v1/responses)."""
         self._check(req)
         tool_parser = req.tool_parser()
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
                                              req.template_tools(), context=self.engine.max_model_len,
-                                             special_text=self.special_text)
+                                             special_text=self.special_text, param=param)
         limit = req.output_limit()
         if fit_context and limit is not None:
             limit = max(1, min(limit, self.engine.max_model_len - len(prompt_ids)))
-        params = await self._params(req, limit, [prompt_ids], "messages", logprobs=req.num_logprobs(),
+        params = await self._params(req, limit, [prompt_ids], param, logprobs=req.num_logprobs(),
                                     response_format=req.tool_call_format())
-        request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, "messages", req.cache_salt)
+        request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, param, req.cache_salt)
         return request, self._renderer(req, request, ChatRenderer, tool_parser=tool_parser)
 
     async def completion(self, req: CompletionRequest) -> Response:
@@ -274,16 +286,14 @@ class _Server:
             refuse_if_too_long(tokenizer, req.prompt, context, param, completion_room=0)
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
         if len(ids) > context:
-            raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
-                                f"has {len(ids)} tokens.", param=param, code="context_length_exceeded")
+            raise ContextLengthError(context, len(ids), param)
         return {"count": len(ids), "max_model_len": context, "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         """The text of up to the context's length of tokens (no prompt or output of this server is longer)."""
         context = self.engine.max_model_len
         if len(req.tokens) > context:
-            raise APIError(400, f"This model's maximum context length is {context} tokens. However, you gave "
-                                f"{len(req.tokens)} tokens.", param="tokens", code="context_length_exceeded")
+            raise ContextLengthError(context, len(req.tokens), "tokens")
         ids = completion_prompt_ids(self.engine.tokenizer, req.tokens, param="tokens") if req.tokens else []
         return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, ids)}
 
@@ -321,16 +331,10 @@ class _Server:
         context = self.engine.max_model_len
         for ids in prompt_ids:
             prompt_len = len(ids)
-            if prompt_len >= context:
-                raise APIError(400, f"This model's maximum context length is {context} tokens. However, your "
-                                    f"{prompt_param} has {prompt_len} tokens: at most {context - 1} prompt tokens fit, "
-                                    f"leaving room for one completion token.", param=prompt_param,
-                               code="context_length_exceeded")
+            if prompt_len >= context:  # (the completion needs one token)
+                raise ContextLengthError(context, prompt_len, prompt_param)
             if limit is not None and prompt_len + limit > context:
-                raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
-                                    f"{prompt_len + limit} tokens ({prompt_len} in the {prompt_param}, {limit} in the "
-                                    f"completion): at most {context - prompt_len} completion tokens fit after this "
-                                    f"{prompt_param}.", param=prompt_param, code="context_length_exceeded")
+                raise ContextLengthError(context, prompt_len, prompt_param, completion_tokens=limit)
         fields = req.sampling_fields(self.defaults)
         if response_format is not None:
             fields["response_format"] = response_format

@@ -3,21 +3,21 @@ context is refused before it is tokenized."""
 
 from __future__ import annotations
 
-from specdec.server.protocol import APIError
+from specdec.server.protocol import APIError, ContextLengthError
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                      add_generation_prompt: bool = True, context: int | None = None,
-                     special_text: bool = False, completion_room: int = 1) -> list[int]:
+                     special_text: bool = False, completion_room: int = 1, param: str = "messages") -> list[int]:
     """The conversation's prompt ids; special-token text in the messages stays plain text unless
     `special_text` (see `Tokenizer.render_chat`). Refused at once if certainly longer than `context` less
-    `completion_room`."""
+    `completion_room` (an error naming `param`: the field the messages came in)."""
     try:
         parts = tokenizer.render_chat(messages, add_generation_prompt, special_text, tools=tools)
     except Exception as e:  # the template refused the conversation (raise_exception), or there is none
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                        code="invalid_value") from None
-    refuse_if_too_long(tokenizer, "".join(text for text, _ in parts), context, "messages", completion_room)
+    refuse_if_too_long(tokenizer, "".join(text for text, _ in parts), context, param, completion_room)
     return tokenizer.encode_parts(parts)
 
 
@@ -42,8 +42,4 @@ def refuse_if_too_long(tokenizer, text: str, context: int | None, param: str, co
         return
     most = context - completion_room
     if (at_least := tokenizer.fewest_tokens(text, enough=most)) > most:  # (it may stop weighing past `most`)
-        room = ", leaving room for one completion token" if completion_room else ""
-        raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} has "
-                            f"at least {at_least} tokens ({len(text)} characters): at most "
-                            f"{most} prompt tokens fit{room}.", param=param,
-                       code="context_length_exceeded")
+        raise ContextLengthError(context, at_least, param, at_least=True)

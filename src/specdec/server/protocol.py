@@ -41,6 +41,37 @@ class APIError(Exception):
         return JSONResponse(self.to_dict(), status_code=self.status, headers=self.headers)
 
 
+class ContextLengthError(APIError):
+    """A prompt longer than the context, or a prompt and the completion asked for: a 400 with code
+    `context_length_exceeded` and OpenAI's own words, which the openai SDK and Codex act on by the code.
+    Each API words it from the same numbers: Anthropic's (`anthropic.error_body`: "prompt is too long: N
+    tokens > M maximum", which makes Claude Code compact), a Responses stream (`response.failed`). Example:
+
+        ContextLengthError(256, 300, "messages").message
+        -> "This model's maximum context length is 256 tokens. However, your messages resulted in 300
+            tokens. Please reduce the length of the messages."
+        ContextLengthError(256, 60, "messages", completion_tokens=250).message
+        -> "This model's maximum context length is 256 tokens. However, you requested 310 tokens (60 in the
+            messages, 250 in the completion). Please reduce the length of the messages or completion."
+
+    `at_least`: the prompt was refused before tokenizing, from a bound on its tokens (`prompts.refuse_if_too_long`)."""
+
+    def __init__(self, context: int, prompt_tokens: int, param: str, completion_tokens: int = 0,
+                 at_least: bool = False):
+        self.context, self.prompt_tokens, self.completion_tokens = context, prompt_tokens, completion_tokens
+        head = f"This model's maximum context length is {context} tokens. However, "
+        if completion_tokens:
+            message = (f"{head}you requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the "
+                       f"{param}, {completion_tokens} in the completion). Please reduce the length of the {param} "
+                       "or completion.")
+        else:
+            # a prompt of exactly the context is refused too: the completion needs at least one token
+            room = ", which leaves no room for the completion" if prompt_tokens <= context else ""
+            message = (f"{head}your {param} resulted in {'at least ' if at_least else ''}{prompt_tokens} tokens"
+                       f"{room}. Please reduce the length of the {param}.")
+        super().__init__(400, message, param=param, code="context_length_exceeded")
+
+
 def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the parameter, e.g. `temperature: Input should be >= 0`."""
     err = e.errors(include_url=False)[0]

@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.server.keepalive import DEFAULT_INTERVAL_S, with_heartbeats
-from specdec.server.protocol import APIError, ChatCompletionRequest, validation_error
+from specdec.server.protocol import APIError, ChatCompletionRequest, ContextLengthError, validation_error
 
 DEFAULT_MAX_STORED = 256  # responses kept for previous_response_id / GET
 DEFAULT_MAX_STORED_CHARS = 64 << 20  # characters of their conversations, all together
@@ -347,7 +347,11 @@ def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any
 
 class ResponseTranslator:
     """One request's chat answer as a response object (`response`) or its event stream (`events`); stored
-    at the end when the request says `store`."""
+    at the end when the request says `store`. A prompt longer than the context is a 400 (code
+    `context_length_exceeded`, param `input`) when not streamed, and a stream that fails (`refused_stream`)
+    when streamed."""
+
+    prompt_param = "input"
 
     def __init__(self, req: ResponsesRequest, model: str, conversation: list[dict[str, Any]], store: ResponseStore,
                  heartbeat_s: float = DEFAULT_INTERVAL_S):
@@ -387,6 +391,22 @@ class ResponseTranslator:
         output += [_call_item(call) for call in message.get("tool_calls") or ()]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         return self._response(status, output, _usage(chat["usage"]))
+
+    def _failed(self, output: list[dict], e: APIError) -> dict[str, Any]:
+        return {**self._response("failed", output, None), "error": {"code": e.code or "server_error",
+                                                                   "message": e.message}}
+
+    async def refused_stream(self, e: ContextLengthError) -> AsyncIterator[str]:
+        """A streamed request whose prompt does not fit the context: response.created,
+        response.in_progress, then response.failed with `error.code: "context_length_exceeded"`, and no
+        HTTP error. That is how OpenAI streams it (openai/codex's SSE tests replay its event: `"status":
+        "failed", "error": {"code": "context_length_exceeded", ...}`) and the only form Codex acts on:
+        codex-api's `sse/responses.rs` maps that code in a response.failed to ContextWindowExceeded (a turn
+        then marks the context full for its auto-compaction; a compaction drops its oldest item and tries
+        again), while `api_bridge.rs` makes a 400 with that code an InvalidRequest."""
+        yield self._event("response.created", response=self._response("in_progress", [], None))
+        yield self._event("response.in_progress", response=self._response("in_progress", [], None))
+        yield self._event("response.failed", response=self._failed([], e))
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -448,9 +468,7 @@ class ResponseTranslator:
                     finish = choice["finish_reason"] or finish
         except APIError as e:
             yield self._event("error", code=e.code, message=e.message, param=e.param)
-            failed = {**self._response("failed", output, None), "error": {"code": e.code or "server_error",
-                                                                         "message": e.message}}
-            yield self._event("response.failed", response=failed)
+            yield self._event("response.failed", response=self._failed(output, e))
 
     def _close_text(self, output: list[dict], text_id: str | None, text: str) -> list[str]:
         """The events that end the message item being streamed (none if there is none); it joins `output`."""
