@@ -24,6 +24,8 @@ ROOT = Path(specdec.__file__).parent
 ABOVE_ENGINE = {"fan_out", "api", "server", "bench", "training", "cli", "llm_args"}
 # unit -> the units it must never import
 FORBIDDEN = {
+    # the table of decoder families: under config, which reads it
+    "architectures": {"config", "sampling", "kernels", "models", "heads", "speculative", "engine", *ABOVE_ENGINE},
     "config": {"sampling", "models", "heads", "speculative", "engine", *ABOVE_ENGINE},
     # the native libraries and their loading: under everything but config (SPECDEC_HOME)
     "kernels": {"sampling", "models", "heads", "speculative", "engine", "parallel", "deploy", *ABOVE_ENGINE},
@@ -39,7 +41,7 @@ FORBIDDEN = {
     **{unit: {"deploy"} for unit in ("server", "api", "cli", "bench", "llm_args")},
 }
 # the modules directly under specdec: the entry points and the few primitives under everything
-ROOT_MODULES = {"__init__", "__main__", "config", "sampling", "fan_out", "api", "llm_args", "cli", "deploy"}
+ROOT_MODULES = {"__init__", "__main__", "architectures", "config", "sampling", "fan_out", "api", "llm_args", "cli", "deploy"}
 
 
 def module_name(path: Path) -> str:

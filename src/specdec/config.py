@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.architectures import ARCHITECTURES, BY_MODEL_TYPE, Architecture, architecture
+
 # weight formats (see specdec.models.quant.resolve_quantization)
 
 
@@ -26,12 +28,10 @@ QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "int8", "int4")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 KV_FORMATS = ("auto", "q8_0")  # --kv-cache-dtype: the activations' dtype, or 8-bit rows (models/kv_cache.py)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder, read from `config.json` or GGUF metadata."""
+    """The shape of a decoder, read from `config.json` or GGUF metadata; `arch` says what its layers are made of
+    (`specdec.architectures`), the fields here how big they are and how a given model sets them."""
 
     architecture: str
     vocab_size: int
@@ -49,31 +49,69 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate: silu, or gelu_tanh (Gemma)
+    # sliding-window attention: layer i sees the `sliding_window` latest keys, its own included, where
+    # layer_types[i] == "sliding_attention" (transformers' rule, q - k < window); () = every layer sees all
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # the sliding layers' rope base (Gemma 3), else rope_theta's
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (Gemma), else by head_dim's
+    # mixture of experts (`arch.moe`): a router picks num_experts_per_tok of num_experts MLPs per token
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum 1
+    dense_layers: tuple[int, ...] = ()  # layers with a plain MLP in an MoE model (Qwen3-MoE's mlp_only_layers)
+
+    def __post_init__(self) -> None:
+        architecture(self.architecture)  # a clear error for a family specdec does not run
+        _hidden_act(self.hidden_act)
+
+    @property
+    def arch(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.arch.moe and self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dictionary."""
+        """Build from a Hugging Face `config.json` dictionary (transformers 4 and 5 spellings alike)."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-            cfg.get("model_type", ""), "LlamaForCausalLM"
-        )
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; specdec runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-        n_heads = cfg["num_attention_heads"]
+        family = BY_MODEL_TYPE.get(cfg.get("model_type", ""), ARCHITECTURES["LlamaForCausalLM"])
+        arch = architecture(archs[0] if archs else family.hf_name)
+        n_heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        params = cfg.get("rope_parameters") or {}
+        local = params.get("sliding_attention", {})  # per layer type (transformers 5's Gemma 3)
+        params = params.get("full_attention", params)
         rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
-            rp = cfg["rope_parameters"]
-            if rp.get("rope_type", "default") != "default":
-                rope_scaling = rp
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        if rope_scaling is None and params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        rope_theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+        if float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(cap) is not None:
+                raise ValueError(f"{cap} is not supported (Gemma 2); Gemma 3 has none")
+        window = cfg.get("sliding_window")
+        types = tuple(cfg.get("layer_types") or ())
+        if not types and window and cfg.get("use_sliding_window", True):  # Mistral, Phi-3: every layer
+            types = ("sliding_attention",) * layers
+        if not window or "sliding_attention" not in types:
+            types, window = (), None
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        step, only = cfg.get("decoder_sparse_step") or 1, cfg.get("mlp_only_layers") or ()
         return cls(
-            architecture=arch,
+            architecture=arch.hf_name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=n_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
@@ -81,18 +119,28 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.embed_scale)),  # Gemma ties by default
+            attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=_hidden_act(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            layer_types=types,
+            sliding_window=window,
+            rope_local_theta=local.get("rope_theta") or cfg.get("rope_local_base_freq"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            num_experts=experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step) if experts else (),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dictionary that `from_hf` (and transformers) reads back."""
-        model_type = {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama")
+        arch = self.arch
         out: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": model_type,
+            "model_type": arch.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -105,13 +153,37 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": _HF_ACTS[self.hidden_act],
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "attention_bias": self.attention_bias,
         }
-        if model_type == "llama":
-            out["attention_bias"] = self.attention_bias
+        if arch.embed_scale:  # Gemma's spelling
+            out["hidden_activation"] = out.pop("hidden_act")
+        if self.layer_types:
+            out.update(layer_types=list(self.layer_types), sliding_window=self.sliding_window, use_sliding_window=True)
+        else:
+            out.update(sliding_window=None, use_sliding_window=False)
+        if self.rope_local_theta is not None:
+            out["rope_local_base_freq"] = self.rope_local_theta
+        if self.query_pre_attn_scalar is not None:
+            out["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+        if self.num_experts:
+            out.update(num_local_experts=self.num_experts, num_experts=self.num_experts,
+                       num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob, mlp_only_layers=list(self.dense_layers), decoder_sparse_step=1)
         return out
+
+
+# config.json's activation names -> specdec's
+HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu_tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+_HF_ACTS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def _hidden_act(name: str) -> str:
+    if name not in HIDDEN_ACTS:
+        raise ValueError(f"unsupported hidden_act {name!r}; specdec runs {', '.join(HIDDEN_ACTS)}")
+    return HIDDEN_ACTS[name]
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by them overflows

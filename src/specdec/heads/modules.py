@@ -78,7 +78,7 @@ class HeadsConfig:
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(
-            architecture="EagleHead",
+            architecture="LlamaForCausalLM",  # a head's layer is a Llama decoder layer
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,

@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral) in plain PyTorch.
+"""The decoder of every family specdec runs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 3) in
+plain PyTorch: one layer code that reads what a family's layers are made of from `config.arch`
+(`specdec.architectures`), never its name.
 
 `forward(tokens, positions, cache, mask)` computes logits and keeps no bookkeeping: it writes the K/V
 of its T new tokens into the cache slots just past each row's committed length and attends over the
@@ -100,6 +102,26 @@ def attention_inputs(
     return cos, sin, write_slots, full_mask, None
 
 
+def window_mask(
+    mask: torch.Tensor,  # [B, T, S] what a full-attention layer sees
+    positions: torch.Tensor,  # [B, T] the new tokens' positions
+    lengths: list[int],  # each row's committed length
+    key_index: torch.Tensor | None,  # [B, T, S] (tree passes on CPU) the slot of each query's key s
+    window: int,
+) -> torch.Tensor:
+    """`mask` less the keys more than `window` - 1 positions behind each query (a sliding-window layer's view,
+    transformers' and llama.cpp's rule: key k visible to query q iff q - k < window). A committed slot s holds
+    position s, a new token's slot its position in `positions` (a tree node's is its depth's, not its index's).
+    Example, window 2, one row, 3 committed + 2 new at positions 3, 4: query 4 sees slots 3 and 4 only."""
+    B, T, S = mask.shape
+    slot = torch.arange(S, device=mask.device).expand(B, S)
+    lens = torch.tensor(lengths[:B], device=mask.device)[:, None]
+    new = (slot - lens).clamp(0, T - 1)
+    key_pos = torch.where(slot < lens, slot, torch.gather(positions, 1, new))  # [B, S]
+    key_pos = key_pos[:, None, :] if key_index is None else torch.gather(key_pos, 1, key_index.flatten(1)).view(B, T, S)
+    return mask & (positions[..., None] - key_pos < window)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -115,12 +137,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with the `linear` and Llama-3 `rope_scaling` variants."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with the `linear` and Llama-3 `rope_scaling` variants; `local`: those
+    of the sliding-window layers of a model with their own base (Gemma 3: 10,000 unscaled, 1M globally)."""
     dim = config.head_dim
+    theta = config.rope_local_theta if local else config.rope_theta
     # on CPU even while a skeleton is built on the meta device (callers move it where the model is)
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling or {}
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = {} if local else config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -162,6 +186,13 @@ class Attention(nn.Module):
         # path, attention tiled over 64-key blocks, each query by a fixed recipe (`kernels/csrc/ops/attention.cpp`)
         self.fused = False
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        # per-head norms of q and k before rope (Qwen3, Gemma 3)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
+        # scores are scaled by head_dim ** -0.5 in every kernel: another scale (Gemma's query_pre_attn_scalar)
+        # enters as a factor on q
+        scalar = config.query_pre_attn_scalar
+        self.q_factor = None if scalar in (None, self.head_dim) else (self.head_dim / scalar) ** 0.5
 
     def fuse_qkv(self, qkv_proj: nn.Module) -> None:
         """Use one module computing concat(q, k, v) in place of q_proj, k_proj and v_proj."""
@@ -185,6 +216,8 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         fused = self.fused and x.device.type == "cpu"
         if fused:
             q, k = qgemm.ops().rope(q, cos, sin), qgemm.ops().rope(k, cos, sin)
@@ -192,6 +225,8 @@ class Attention(nn.Module):
             cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        if self.q_factor is not None:
+            q = q * self.q_factor
 
         S = mask.shape[-1]
         k_cache, v_cache = cache.keys[self.layer_idx], cache.values[self.layer_idx]
@@ -266,13 +301,18 @@ class Attention(nn.Module):
         return torch.cat(out, dim=1)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate and up as one matrix (set by `fuse_gate_up`)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
         """Use one module computing concat(gate, up) in place of gate_proj and up_proj."""
@@ -281,17 +321,59 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router scores the experts of each token, softmax in fp32,
+    the top `num_experts_per_tok` are run and their outputs added, weighted by their probabilities (renormalized
+    to sum 1 if `norm_topk_prob`) rounded to the activations' dtype, as transformers computes it.
+
+    Each token's experts are its own: a token's output never depends on the other tokens of the pass (the
+    experts' matrices keep a row's bits whatever rows run with it, and a token's expert outputs are added in
+    expert order from zero). So a verification pass of K tokens routes each as decoding it alone would, and
+    reads the union of their experts.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts [N, top_k] of each row of x [N, hidden] and their weights [N, top_k] (x's dtype)."""
+        logits = self.gate(x)
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return chosen, weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        chosen, weights = self.route(flat)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():  # ascending: each row adds its experts in expert order
+            rows, k = torch.where(chosen == e)
+            out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, k, None])
+        return out.view(x.shape)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe(layer_idx) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama's norm before the MLP; with sandwich norms (Gemma 3) the norm of attention's output, and two more
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich = config.arch.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sliding = config.is_sliding(layer_idx)
+        self.plain = config.arch.plain and config.hidden_act == "silu"  # what the fused layer op computes
 
         # (models on the block kernels, `fuse`) the whole layer as one CPU op: its weights and settings
         self.fused_args: tuple | None = None
@@ -300,6 +382,8 @@ class DecoderLayer(nn.Module):
         """Run this layer as one CPU op (`kernels/csrc/ops/decoder_layer.cpp`, the same ops in the same order: the
         same bits) when its norms, rope and attention are fused and its matrices are `QuantLinear`s."""
         attn, mlp = self.self_attn, self.mlp
+        if not self.plain:
+            return
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not (attn.fused and self.input_layernorm.fused and all(isinstance(m, QuantLinear) for m in linears)):
             return
@@ -323,6 +407,8 @@ class DecoderLayer(nn.Module):
             k, v = attn.k_proj(h), attn.v_proj(h)
         k = k.reshape(B, T, attn.num_kv_heads, attn.head_dim)
         v = v.reshape(B, T, attn.num_kv_heads, attn.head_dim)
+        if attn.k_norm is not None:
+            k = attn.k_norm(k)
         if attn.fused and x.device.type == "cpu":
             k = qgemm.ops().rope(k, cos, sin)
         else:
@@ -338,6 +424,10 @@ class DecoderLayer(nn.Module):
             return qgemm.ops().decoder_layer(x, *self.fused_args, cos, sin, cache.keys[idx], cache.values[idx],
                                              slots, mask, key_index, attn.num_heads, attn.num_kv_heads,
                                              cache.page_table(x.shape[0], mask.shape[-1]))
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask, key_index))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask, key_index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -384,6 +474,13 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("inv_freq_local", None, persistent=False)  # the sliding layers' own (`set_rope`)
+
+    def set_rope(self) -> None:
+        """The rope frequencies, on the model's device (after its parameters are in place)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.device)
+        if self.config.rope_local_theta is not None and self.config.layer_types:
+            self.inv_freq_local = rope_inv_freq(self.config, local=True).to(self.device)
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "Transformer":
@@ -396,7 +493,7 @@ class Transformer(nn.Module):
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        model.inv_freq = rope_inv_freq(config).to(model.device)
+        model.set_rope()
         return model.eval()
 
     def output_rows(self, ids: torch.Tensor) -> nn.Module:
@@ -481,12 +578,21 @@ class Transformer(nn.Module):
             cache, positions, mask, self.inv_freq, self.dtype
         )
         h = self.model.embed_tokens(tokens)
+        if self.config.arch.embed_scale:
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        rope = {False: (cos, sin)}  # by `sliding`: the sliding layers' rope and mask where they have their own
+        masks = {False: full_mask}
+        if self.inv_freq_local is not None:
+            rope[True] = rope_tables(positions, self.inv_freq_local, self.dtype)
+        if self.config.layer_types:
+            masks[True] = window_mask(full_mask, positions, cache.lengths, key_index, self.config.sliding_window)
         slots = write_slots  # (what the fused layers need; rows of equal length: the next T slots of each)
         if slots is None and any(layer.fused_args is not None for layer in self.model.layers):
             slots = cache.lengths[0] + torch.arange(T, device=tokens.device).expand(B, T)
         features = []
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, write_slots, full_mask, key_index, slots)
+            cos, sin = rope.get(layer.sliding, rope[False])
+            h = layer(h, cos, sin, cache, write_slots, masks[layer.sliding], key_index, slots)
             if i in feature_layers:
                 features.append(h)
         h = self.model.norm(h)

@@ -24,12 +24,13 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from specdec.architectures import Architecture, gguf_architecture
 from specdec.config import ModelConfig
 from specdec.kernels.qgemm import quantize_q4_0, quantize_q8_0
 from specdec.models.cpu import cpu_has_native_bf16
 from specdec.models.dequant import dequantize
 from specdec.models.gguf_file import GGUFFile
-from specdec.models.llama import Attention, RMSNorm, Transformer, meta_skeleton, rope_inv_freq
+from specdec.models.llama import Attention, MoE, RMSNorm, Transformer, meta_skeleton
 from specdec.models.qlinear import Q4_0, Q8_0, QuantEmbedding, QuantLinear, kernel_blocks
 from specdec.models.tokenizer import Tokenizer, gguf_eos_token_ids, gguf_field
 
@@ -80,9 +81,9 @@ def load_checkpoint(
         reader = GGUFFile(path)
         config = gguf_config(reader)
         weights = {name: t.to(device=device, dtype=dtype) for name, t in gguf_tensors(reader, config, progress)}
-        return config, weights, Tokenizer.from_gguf(reader)
+        return config, split_fused(config, weights), Tokenizer.from_gguf(reader)
     config = hf_config(path)
-    return config, load_safetensors(path, config, dtype, device), Tokenizer.from_folder(path)
+    return config, split_fused(config, load_safetensors(path, config, dtype, device)), Tokenizer.from_folder(path)
 
 
 def _checked_path(path: str | Path) -> Path:
@@ -124,21 +125,40 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_safetensors(folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Tensor by tensor, each cast at once: peak memory is about the final size, not the stored size."""
+    """Tensor by tensor, each cast at once: peak memory is about the final size, not the stored size. Names and
+    norm weights as specdec's layers read them (`config.arch`: Mixtral's experts renamed, Gemma's norms plus one)."""
+    arch = config.arch
     weights: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                w = f.get_tensor(name)
+                for old, new in arch.hf_renames:
+                    name = name.replace(old, new)
+                if arch.norm_offset and name.endswith("norm.weight"):  # in fp32, as transformers adds it
+                    w = w.float() + arch.norm_offset
+                weights[name] = w.to(device=device, dtype=dtype)
+    return weights
+
+
+def split_fused(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoints holding q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3) -> the separate
+    matrices the float layers read (the block kernels use the fused ones as they are). In place; returns it."""
+    sizes = {"self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), [config.num_attention_heads * config.head_dim]
+                                    + [config.num_key_value_heads * config.head_dim] * 2),
+             "mlp.gate_up_proj": (("gate_proj", "up_proj"), [config.intermediate_size] * 2)}
+    for name in [n for n in weights if n.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj")]:
+        module, kind = name.rsplit(".", 1)
+        parent, fused = module.rsplit(".", 1)
+        names, split = sizes[f"{parent.rsplit('.', 1)[-1]}.{fused}"]
+        for part, w in zip(names, weights.pop(name).split(split)):
+            weights[f"{parent}.{part}.{kind}"] = w
     return weights
 
 
 # ---- GGUF -----------------------------------------------------------------------------------------
-
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-ROPE_PERMUTED = ("llama", "mistral")  # llama.cpp's converter interleaves q/k rows of these for its rope
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -150,40 +170,73 @@ _GGUF_LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k, v in one matrix
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# a mixture of experts' matrices, all experts in one 3-D tensor each: expert e's is the e-th slice
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> Hugging Face name. Example: `blk.3.ffn_gate.weight` -> `model.layers.3.mlp.gate_proj.weight`."""
+def hf_name(gguf_name: str, arch: Architecture | None = None) -> str:
+    """GGUF tensor name -> Hugging Face name (as `arch` names its parts). Example: `blk.3.ffn_gate.weight` ->
+    `model.layers.3.mlp.gate_proj.weight`; for Gemma 3, `blk.3.ffn_norm.weight` ->
+    `model.layers.3.pre_feedforward_layernorm.weight`. Experts' merged tensors: see `expert_names`."""
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}; specdec reads Llama-family decoders only")
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    kinds = {**_GGUF_LAYER_NAMES, **dict(arch.gguf_kinds if arch else ())}
+    if m is None or m.group(2) not in kinds:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for {arch.hf_name if arch else 'this architecture'}")
+    return f"model.layers.{m.group(1)}.{kinds[m.group(2)]}.{m.group(3)}"
+
+
+def expert_names(gguf_name: str, experts: int) -> list[str] | None:
+    """The per-expert Hugging Face names of a merged experts tensor, None for any other tensor. Example:
+    `blk.1.ffn_up_exps.weight`, 2 -> [`model.layers.1.mlp.experts.0.up_proj.weight`, `...experts.1.up_proj.weight`]."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _GGUF_EXPERTS:
+        return None
+    return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{_GGUF_EXPERTS[m.group(2)]}.{m.group(3)}" for e in range(experts)]
 
 
 def gguf_config(reader: GGUFFile) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.block_count`, ...); tied embeddings = no `output.weight`."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; specdec runs {', '.join(GGUF_ARCHITECTURES)}")
-    get = lambda key, default=None: gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
+    """ModelConfig from GGUF metadata (`{arch}.block_count`, ...); tied embeddings = no `output.weight`.
+    Where llama.cpp fixes a value in code rather than in the file, the same value: Gemma 3's sliding layers
+    (five of each six), their rope base (10,000) and its query scale (head_dim's; 27B's hidden / heads)."""
+    name = gguf_field(reader, "general.architecture")
+    get = lambda key, default=None: gguf_field(reader, f"{name}.{key}", default)  # noqa: E731
+    arch = gguf_architecture(name, get("expert_count", 0))
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise NotImplementedError("GGUF with rope_freqs.weight (Llama 3.1 rope scaling) is not supported yet")
+    for unsupported in ("rope_freqs.weight", "rope_factors_long.weight"):
+        if unsupported in names:
+            raise NotImplementedError(f"GGUF with {unsupported} (Llama 3.1 / Phi-3 long rope) is not supported yet")
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    n_heads, hidden = get("attention.head_count"), get("embedding_length")
+    n_heads, hidden, layers = get("attention.head_count"), get("embedding_length"), get("block_count")
+    head_dim = get("attention.key_length", hidden // n_heads)
+    window, types, extra = get("attention.sliding_window"), (), {}
+    if arch.hf_name == "Gemma3ForCausalLM":
+        pattern = get("attention.sliding_window_pattern", 6)
+        types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+        extra = dict(hidden_act="gelu_tanh", rope_local_theta=float(get("rope.freq_base_swa", 10000.0)),
+                     query_pre_attn_scalar=hidden // n_heads if layers == 62 else head_dim)
+    elif window:  # Phi-3: every layer
+        types = ("sliding_attention",) * layers
+    experts = get("expert_count", 0)
+    if experts:
+        extra.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                     moe_intermediate_size=get("expert_feed_forward_length", get("feed_forward_length")),
+                     norm_topk_prob=bool(get("expert_weights_norm", True)))
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=arch.hf_name,
         vocab_size=int(embed.shape[1]),  # GGUF dims are [hidden, vocab]
         hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
+        intermediate_size=get("feed_forward_length", get("expert_feed_forward_length")),
+        num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=get("attention.head_count_kv", n_heads),
-        head_dim=get("attention.key_length", hidden // n_heads),
+        head_dim=head_dim,
         rms_norm_eps=_shortest_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(get),
@@ -192,6 +245,9 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         attention_bias=any(n.endswith("attn_q.bias") for n in names),
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=gguf_eos_token_ids(reader),
+        layer_types=types if window else (),
+        sliding_window=window if types else None,
+        **extra,
     )
 
 
@@ -225,16 +281,21 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def gguf_tensors(reader: GGUFFile, config: ModelConfig, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized one at a time."""
-    arch = gguf_field(reader, "general.architecture")
+    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized one at a time (a merged
+    experts tensor: one per expert)."""
+    arch = config.arch
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         w = dequantize(t.data, t.tensor_type, shape)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if arch in ROPE_PERMUTED and kind in heads:
+        if arch.rope_permuted and kind in heads:
             w = unpermute_rope(w, heads[kind])
-        yield hf_name(t.name), w
+        experts = expert_names(t.name, config.num_experts)
+        if experts is not None:
+            yield from zip(experts, w.unbind(0))
+        else:
+            yield hf_name(t.name, arch), w
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
@@ -284,7 +345,10 @@ def plan_shards(sizes: list[int], max_bytes: int = MAX_SHARD_BYTES) -> list[int]
 
 def _write_shards(reader: GGUFFile, config: ModelConfig, folder: Path, progress: bool) -> None:
     """Dequantize and save one shard at a time: peak memory is one shard, not the whole model."""
-    sizes = [int(t.n_elements) * 4 for t in reader.tensors]  # float32
+    sizes = []  # float32, as `gguf_tensors` yields them (a merged experts tensor: one per expert)
+    for t in reader.tensors:
+        n = int(t.shape[2]) if len(t.shape) == 3 else 1
+        sizes += [int(t.n_elements) * 4 // n] * n
     plan = plan_shards(sizes, MAX_SHARD_BYTES)
     n = plan[-1] + 1
     files = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
@@ -312,10 +376,13 @@ class _GGUFSource:
     """A GGUF's tensors by Hugging Face name, as memory-mapped uint8 rows of blocks (no copy)."""
 
     def __init__(self, reader: GGUFFile, config: ModelConfig) -> None:
-        self.tensors = {hf_name(t.name): t for t in reader.tensors}
-        arch = gguf_field(reader, "general.architecture")
+        self.tensors = {}  # name -> (tensor, expert index or None: the whole tensor)
+        for t in reader.tensors:
+            experts = expert_names(t.name, config.num_experts)
+            for e, name in enumerate(experts) if experts is not None else [(None, hf_name(t.name, config.arch))]:
+                self.tensors[name] = (t, e)
         self.heads = {}
-        if arch in ROPE_PERMUTED:
+        if config.arch.rope_permuted:
             self.heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 
     def has(self, name: str) -> bool:
@@ -327,13 +394,15 @@ class _GGUFSource:
 
     def blocks(self, name: str) -> tuple[torch.Tensor, int, int]:
         """(uint8 [rows, row_bytes], GGML type, values per row)."""
-        t = self.tensors[name]
-        rows, row_len = (int(d) for d in reversed(t.shape))
-        raw = torch.from_numpy(t.data.reshape(-1).view(np.uint8)).reshape(rows, -1)
+        t, expert = self.tensors[name]
+        dims = [int(d) for d in t.shape]  # innermost first: [row_len, rows] or [row_len, rows, experts]
+        row_len, rows = dims[0], dims[1]
+        raw = torch.from_numpy(t.data.reshape(-1).view(np.uint8))
+        raw = raw.reshape(dims[2] if len(dims) == 3 else 1, rows, -1)[expert or 0]
         return self._rows(name, raw), int(t.tensor_type), row_len
 
     def vector(self, name: str) -> torch.Tensor:
-        t = self.tensors[name]
+        t, _ = self.tensors[name]
         return self._rows(name, dequantize(t.data, t.tensor_type, (int(t.n_elements),)))
 
 
@@ -405,18 +474,28 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
     def norm(name: str) -> nn.Parameter:
         return nn.Parameter(source.vector(name).to(dtype), requires_grad=False)
 
+    def mlp_blocks(module: nn.Module, prefix: str) -> None:  # an MLP's matrices, gate and up as one
+        fused = prefix + "gate_up_proj.weight"  # (Phi-3's checkpoints hold them so)
+        module.fuse_gate_up(linear([fused] if source.has(fused) else [prefix + "gate_proj.weight", prefix + "up_proj.weight"]))
+        module.down_proj = linear([prefix + "down_proj.weight"])
+
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        qkv = [f"{attn}{x}_proj.weight" for x in "qkv"]
+        fused = attn + "qkv_proj.weight"
+        qkv = [fused] if source.has(fused) else [f"{attn}{x}_proj.weight" for x in "qkv"]
         bias = [f"{attn}{x}_proj.bias" for x in "qkv"] if config.attention_bias else None
         layer.self_attn.fuse_qkv(linear(qkv, bias))
         layer.self_attn.o_proj = linear([attn + "o_proj.weight"])
-        layer.mlp.fuse_gate_up(linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
-        layer.mlp.down_proj = linear([mlp + "down_proj.weight"])
-        layer.input_layernorm.weight = norm(p + "input_layernorm.weight")
-        layer.post_attention_layernorm.weight = norm(p + "post_attention_layernorm.weight")
-    model.model.norm.weight = norm("model.norm.weight")
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.gate = linear([mlp + "gate.weight"])
+            for e, expert in enumerate(layer.mlp.experts):
+                mlp_blocks(expert, f"{mlp}experts.{e}.")
+        else:
+            mlp_blocks(layer.mlp, mlp)
+    for name, module in model.named_modules():  # every norm the family has
+        if isinstance(module, RMSNorm):
+            module.weight = norm(name + ".weight")
     for module in model.modules():  # the elementwise work as one CPU op each, like the matmuls
         if isinstance(module, (RMSNorm, Attention)):
             module.fused = True
@@ -429,7 +508,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
     else:
         table, qtype, _ = source.blocks("model.embed_tokens.weight")
     model.model.embed_tokens = QuantEmbedding(table, qtype, config.vocab_size, config.hidden_size, dtype)
-    model.inv_freq = rope_inv_freq(config)
+    model.set_rope()
     meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if meta:
         raise ValueError(f"checkpoint lacks {len(meta)} tensors, e.g. {meta[:3]}")
