@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with specdec and its extras, then the default model
-# pair (pulled once into $SPECDEC_HOME, default ~/.cache/specdec). Safe to run again: it skips what is done.
+# pair and Gemma 3 270M (the real second family the tests run), pulled once into $SPECDEC_HOME (default
+# ~/.cache/specdec). Safe to run again: it skips what is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -27,5 +28,5 @@ assert not native.missing(), native.missing()" 2>/dev/null; then
   echo "setup: specdec installed, its native libraries built, in $(( $(date +%s) - start )) s"
 fi
 if [ "${SPECDEC_SKIP_PULL:-0}" != "1" ]; then
-  .venv/bin/specdec models pull qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+  .venv/bin/specdec models pull qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct gemma-3-270m
 fi

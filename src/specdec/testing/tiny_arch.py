@@ -148,3 +148,22 @@ def write_gguf(folder: Path, path: Path, add_tokenizer: Callable[[GGUFWriter], N
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def random_block_model(config, qtype: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    """A model of `config` with random weights (std 0.05, norms 1) on the block kernels, every matrix quantized to
+    `qtype` (Q8_0 or Q4_0): for measuring passes of a shape no real checkpoint here has (a mixture of experts)."""
+    from specdec.models.llama import MoE, Transformer, meta_skeleton
+    from specdec.models.loading import _FloatSource, build_quantized
+
+    with meta_skeleton():
+        skeleton = Transformer(config)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, p in skeleton.named_parameters():
+        weights[name] = torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * 0.05
+    for name, module in skeleton.named_modules():  # the block loader reads gate and up apart
+        if isinstance(module, MoE):
+            weights.pop(f"{name}.gate.weight")
+            weights[f"{name}.gate.weight"] = torch.randn(config.num_experts, config.hidden_size, generator=gen)
+    return build_quantized(config, _FloatSource(weights, qtype), dtype)
