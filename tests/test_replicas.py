@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from unittest import mock
 
 import httpx
 import pytest
@@ -144,6 +145,15 @@ def serve_args(*flags: str) -> argparse.Namespace:
     return add_serve_arguments(argparse.ArgumentParser()).parse_args(list(flags))
 
 
+# Ray Serve's own waits are fixed: its controller kills a proxy that does not answer its ready check within 5 s
+# (or three health checks in a row within 10 s), and `serve.run` gives the proxies 60 s to serve. On a loaded
+# machine the fixture failed on them (the proxy not ready in time, its actor killed). The local Ray started here
+# gives those checks a minute, and the fixture waits on readiness itself, up to `READY_WITHIN`: the application
+# running, every proxy healthy, /health answering 200.
+RAY_SERVE_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+READY_WITHIN = 600.0  # s: starting Ray, its proxy and both replicas, however loaded the machine
+
+
 @pytest.fixture(scope="module")
 def replicas():
     """Two tiny replicas, 2 sequences each and 2 requests at once at most (so that 4 streams take both)."""
@@ -153,26 +163,46 @@ def replicas():
 
     from specdec.server.replicas import ReplicaSpec, build_application
 
+    deadline = time.monotonic() + READY_WITHIN
     port = free_port()
     args = serve_args("--replicas", "2", "--max-num-seqs", "2", "--replica-max-ongoing-requests", "2")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with mock.patch.dict(os.environ, RAY_SERVE_PATIENCE):  # (inherited by the local Ray's processes)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(ReplicaSpec(args, loader="specdec.testing.tiny_server")), name="specdec",
-                  route_prefix="/")
+        try:
+            serve.run(build_application(ReplicaSpec(args, loader="specdec.testing.tiny_server")), name="specdec",
+                      route_prefix="/")
+        except TimeoutError:  # ("Proxies not available after 60s": a proxy still starting; waited on below)
+            pass
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            # (a loaded box can take minutes to start two replicas: a /health that times out is asked again)
-            wait_until(lambda: healthy(client), "both replicas report healthy", timeout=180)
+            wait_until(lambda: serving() and healthy(client), "the application running, its proxies healthy and "
+                       "both replicas reporting healthy", timeout=deadline - time.monotonic())
             yield client
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
+def serving() -> bool:
+    """Whether Ray Serve reports the application running and every proxy healthy (a deployment that failed
+    for good fails the fixture at once)."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus, ProxyStatus
+
+    status = serve.status()
+    app = status.applications.get("specdec")
+    if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+        raise RuntimeError(f"the replicas' application failed to deploy: {app.message}")
+    return app is not None and app.status == ApplicationStatus.RUNNING and bool(status.proxies) and all(
+        proxy == ProxyStatus.HEALTHY for proxy in status.proxies.values())
+
+
 def healthy(client) -> bool:
+    """Whether /health answers 200 (not yet: a connection refused while a proxy (re)starts, a timeout)."""
     try:
         return client.get("/health").status_code == 200
-    except httpx.TimeoutException:
+    except httpx.TransportError:
         return False
 
 
