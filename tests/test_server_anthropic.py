@@ -76,6 +76,21 @@ def test_system_blocks_and_text_blocks_join_as_the_chat_path_joins_text_parts(cl
     assert live.engine.prompts[-1] == rendered([{"role": "system", "content": "A.\nB."}, {"role": "user", "content": "x\ny"}])
 
 
+@pytest.mark.parametrize("system", [
+    [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.123; cc_entrypoint=sdk-cli;"},
+     {"type": "text", "text": "You are Claude Code."}],
+    "x-anthropic-billing-header: cc_version=2.1.197.1c0; cc_entrypoint=cli; cch=36ee5;\nYou are Claude Code.",
+], ids=["block", "first line"])
+def test_claude_codes_billing_line_never_reaches_the_prompt(client, live, system):
+    """It changes with the session's first prompt and comes first: left in, no two sessions share a cached token."""
+    live.engine.say = "ok"
+    client.messages.create(model="m", max_tokens=10, system=system, messages=PARIS)
+    assert live.engine.prompts[-1] == rendered([{"role": "system", "content": "You are Claude Code."}, *PARIS])
+    client.messages.create(model="m", max_tokens=10, messages=PARIS,
+                           system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=1;"}])
+    assert live.engine.prompts[-1] == rendered(PARIS)  # nothing else: no empty system turn
+
+
 def test_sampling_fields_reach_the_engine(client, live):
     live.engine.say = "ok"
     # sent as the API's fields (this SDK's create() no longer takes them as arguments)

@@ -121,6 +121,24 @@ class OutputConfig(_Open):
     format: OutputFormat | None = None  # structured output; `effort` and the rest are ignored
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def without_billing_header(system: str | list[TextBlock] | None) -> str:
+    """The system text, less Claude Code's billing line (`x-anthropic-billing-header: cc_version=2.1.197.123;
+    cc_entrypoint=sdk-cli;`, a block of its own, or the string's first line): attribution for Anthropic's API, not
+    an instruction to the model. Its version suffix follows the session's first prompt (and `cch=`, in some
+    versions, every request), and it comes first: left in, no two sessions would share a cached token
+    (`benchmarks/bench_session_prefix.py`). Local servers and gateways drop it for the same reason.
+    Example: ["x-anthropic-billing-header: cc_version=1;", "You are Claude Code."] -> "You are Claude Code."."""
+    if not system:
+        return ""
+    if isinstance(system, str):
+        first, _, rest = system.partition("\n")
+        return rest if first.startswith(BILLING_HEADER) else system
+    return "\n".join(b.text for b in system if not b.text.startswith(BILLING_HEADER))
+
+
 class MessagesRequest(_Open):
     model: str
     messages: list[InputMessage] = Field(min_length=1)
@@ -146,8 +164,8 @@ class MessagesRequest(_Open):
                                 "\"adaptive\", which lets the model decide: this one never thinks in blocks)",
                            param="thinking", code="unsupported_parameter")
         messages: list[dict[str, Any]] = []
-        if self.system:
-            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
+        system = without_billing_header(self.system)
+        if system:
             messages.append({"role": "system", "content": system})
         for i, message in enumerate(self.messages):
             messages += _chat_messages(message, f"messages[{i}]")
