@@ -1,8 +1,9 @@
-"""Auto speculation (`AutoProposer`) on tiny random models: greedy output equal to plain decoding's with the
-trie alone, beside a draft model (fixed and adaptive K) and beside Medusa heads, in batches joining and
-leaving, with chunked prefill and with prefix caching; the trie's draft taken where it is sure and the
-second drafter's where it knows nothing; no drafting where no draft can pay; seeded sampling reproducible
-and following the target's distribution; the default speculation of `LLM` and its flags."""
+"""Auto speculation on tiny random models: greedy output equal to plain decoding's with the trie alone
+(`AutoProposer`), beside a draft model (`AutoModelProposer`, fixed and adaptive K) and beside Medusa heads
+(`AutoHeadsProposer`), in batches joining and leaving, with chunked prefill and with prefix caching; the
+trie's draft taken where it is sure and the second drafter's where it knows nothing; no drafting where no
+draft can pay; seeded sampling reproducible and following the target's distribution; the default
+speculation of `LLM` and its flags."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from specdec.engine import Engine
 from specdec.heads.modules import load_heads
 from specdec.sampling import process_logits
 from specdec.speculative.auto import AutoProposer
+from specdec.speculative.auto_heads import AutoHeadsProposer
+from specdec.speculative.auto_model import AutoModelProposer
 from specdec.speculative.costs import CostModel
 from specdec.speculative.head_proposers import MedusaProposer
 from specdec.speculative.draft_model import DraftModelProposer
-from specdec.speculative.proposers import Draft, SuffixProposer
+from specdec.speculative.proposers import Draft, NullProposer, SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 from test_engine_tiny import (BATCH_REQUESTS, GREEDY, MAX_LEN, PROMPTS, SpeculationPays, assert_metrics_consistent,
                               draft, generate, plain, run, target)
@@ -35,11 +38,11 @@ def auto_engine(second: str | None = None, k: int = 3, adaptive: bool = True, ba
                 costs: CostModel | None = None, **engine_kw) -> Engine:
     """The trie beside `second` ("noisy copy", "self", "other seed": a draft model; None: the trie alone)."""
     suffix = SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share))
-    drafter = None
+    proposer = AutoProposer(suffix, NullProposer())
     if second is not None:
         window = MAX_LEN if second == "self" else 16
         drafter = DraftModelProposer(draft("fp32", second), batch, MAX_LEN, window=window)
-    proposer = AutoProposer(suffix, drafter, k, adaptive, "draft_model" if drafter else None)
+        proposer = AutoModelProposer(suffix, drafter, k, adaptive, "draft_model")
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, DEPTH, max_model_len=MAX_LEN, max_batch_size=batch,
                     **engine_kw)
     engine.controller.costs = costs or SpeculationPays()  # choices that do not depend on this machine's speed
@@ -145,7 +148,7 @@ def test_a_row_whose_trie_drafts_are_not_verified_relaxes_its_lean_each_step():
         def observe(self, *args) -> None:
             pass
 
-    auto, seq = AutoProposer(Trie()), Seq()
+    auto, seq = AutoProposer(Trie(), NullProposer()), Seq()
     row = auto._row(seq)
     row.lean.kind_accepted, row.lean.kind_expected = 0.0, 1.8  # two 1-token misses at ~0.9
     before = row.lean.lean
@@ -174,7 +177,7 @@ def test_a_fixed_k_draft_model_drafts_k_tokens_where_it_pays_and_nothing_where_n
         assert out.metrics.num_drafts == 0 and not out.metrics.drafters, out.metrics.to_dict()
     assert reads == []
     # the share of steps the model drafted in (what a prompt's reading can pay off on) follows its wins
-    assert never.proposer.gate.share < 0.01 < 0.3 < pays.proposer.gate.share
+    assert never.proposer.share < 0.01 < 0.3 < pays.proposer.share
 
 
 def test_the_draft_model_reads_a_prompt_only_where_drafting_repays_the_reading():
@@ -185,18 +188,18 @@ def test_the_draft_model_reads_a_prompt_only_where_drafting_repays_the_reading()
     engine = auto_engine("noisy copy", 3, False)
     auto = engine.proposer
     engine.controller.costs = CostModel()
-    assert not auto.gate.reading_pays(1, 100, 64)  # nothing measured
+    assert not auto.reading_pays(1, 100, 64)  # nothing measured
     costs = CostModel()
     costs.draft, costs.verify, costs.prefill = {1: 0.2}, {1: 1.0, 8: 1.4}, {"target": 0.05, "draft": 0.02}
     engine.controller.costs = costs
     # K = 3 at 0.8: 2.95 tokens per (0.6 + 1.17) = 1.67 per pass-time, saving 0.4 pass-times per token
-    assert auto.gate.reading_pays(1, 100, 64)  # 100 prompt tokens: 2.0 to read, 25.6 saved
-    auto.gate.share = 0.05  # the trie, not the model, drafted 19 steps in 20 lately: 1.3 saved
-    assert not auto.gate.reading_pays(1, 100, 64)
-    auto.gate.share = 1.0
-    assert not auto.gate.reading_pays(1, 2000, 64)  # 40 to read
+    assert auto.reading_pays(1, 100, 64)  # 100 prompt tokens: 2.0 to read, 25.6 saved
+    auto.share = 0.05  # the trie, not the model, drafted 19 steps in 20 lately: 1.3 saved
+    assert not auto.reading_pays(1, 100, 64)
+    auto.share = 1.0
+    assert not auto.reading_pays(1, 2000, 64)  # 40 to read
     costs.draft = {1: 0.8}  # drafting 3 tokens costs 2.4 pass-times: slower than plain, never read
-    assert not auto.gate.reading_pays(1, 10, 10_000)
+    assert not auto.reading_pays(1, 10, 10_000)
 
 
 @pytest.mark.parametrize("second", [None, "noisy copy"])
@@ -224,11 +227,11 @@ def medusa(tmp_path_factory):
     return heads_target("fp32"), heads_dir("medusa", str(tmp_path_factory.mktemp("heads")))
 
 
-def medusa_engine(medusa, batch: int = 1, share: bool = True, tree: bool = False) -> Engine:
+def medusa_engine(medusa, batch: int = 1, share: bool = True, tree: bool = False,
+                  auto=AutoHeadsProposer) -> Engine:
     model, folder = medusa
     heads = MedusaProposer(load_heads(folder, model, "medusa"), model.config.vocab_size, max_depth=3)
-    proposer = AutoProposer(SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share)), heads, 3, True, "medusa",
-                            tree=tree)
+    proposer = auto(SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share)), heads, 3, "medusa", tree=tree)
     engine = Engine(model, FakeTokenizer(), proposer, DEPTH, max_model_len=256, max_batch_size=batch)
     engine.controller.costs = SpeculationPays()
     return engine
@@ -248,16 +251,22 @@ def test_auto_beside_medusa_equals_plain_and_uses_both(medusa):
     assert used.get("medusa", 0) > 0 and used.get("suffix", 0) > 0, used
 
 
+class AsksTheHeadsEveryStep(AutoHeadsProposer):
+    """The reference: the heads asked for every row at every step, their best case never weighed first."""
+
+    def _asks(self, ks, rows, tries, values):
+        return [min(k, self.k) for k in ks]
+
+
 def test_the_heads_are_asked_only_where_they_could_beat_the_tries_draft(medusa):
-    """`AutoProposer._heads_bound`: a step asks the heads only for the rows where their best case could beat
-    the trie's draft. Step by step, the drafts chosen (tokens and drafter) are those of asking the heads at
-    every step, and the outputs plain decoding's, with fewer rows asked of the heads."""
+    """`AutoHeadsProposer` asks the heads only for the rows where their best case could beat the trie's draft.
+    Step by step, the drafts chosen (tokens and drafter) are those of asking the heads at every step
+    (`AsksTheHeadsEveryStep`), and the outputs plain decoding's, with fewer rows asked of the heads."""
     from test_heads_engine import plain as heads_plain
 
-    def recorded(bound: bool):
-        engine = medusa_engine(medusa)
+    def recorded(auto):
+        engine = medusa_engine(medusa, auto=auto)
         proposer = engine.proposer
-        proposer.bound_second = bound
         chosen, asked = [], []
         propose, draft = proposer.propose, proposer.second.draft
 
@@ -274,8 +283,8 @@ def test_the_heads_are_asked_only_where_they_could_beat_the_tries_draft(medusa):
         outs = [generate(engine, prompt, GREEDY).token_ids for prompt in PROMPTS + PROMPTS]
         return outs, chosen, asked
 
-    outs, chosen, asked = recorded(True)
-    every_outs, every_chosen, every_asked = recorded(False)
+    outs, chosen, asked = recorded(AutoHeadsProposer)
+    every_outs, every_chosen, every_asked = recorded(AsksTheHeadsEveryStep)
     assert outs == every_outs == [heads_plain("fp32", prompt) for prompt in PROMPTS + PROMPTS]
     assert chosen == every_chosen
     assert {source for step in chosen for _, source in step} >= {"suffix", "medusa"}
@@ -358,7 +367,7 @@ def test_llm_defaults_to_auto_on_a_target_without_heads(tmp_path):
     auto, plain_llm = LLM(str(path), **kw), LLM(str(path), num_speculative_tokens=0, **kw)
     info = auto.describe()["speculative"]
     assert (info["method"], info["drafters"], info["suffix_decoding_share_unsalted"]) == ("auto", ["suffix"], False)
-    assert isinstance(auto.engine.proposer, AutoProposer) and auto.engine.proposer.second is None
+    assert type(auto.engine.proposer) is AutoProposer and isinstance(auto.engine.proposer.second, NullProposer)
     assert plain_llm.describe()["speculative"] is None
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for prompt in ("abab", "abcabcab"):

@@ -13,7 +13,7 @@ from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.output_text import OutputText
 from specdec.engine.scheduler import Scheduler
 from specdec.models.kv_cache import KEY_BLOCK, KVCache
-from specdec.speculative.auto import AutoProposer
+from specdec.speculative.auto_model import AutoModelProposer
 from specdec.speculative.build import build_proposer, tree_of
 from specdec.speculative.costs import AcceptanceEstimate
 from specdec.speculative.controller import SpeculationController, StepReport
@@ -218,7 +218,7 @@ def test_one_clock_times_the_controller_and_the_proposers():
     proposal = scripted.propose([Seq([5, 6, 7, 5, 6, 7, 5])], [3])
     assert proposal.drafts[0].tokens == [6, 7, 5] and proposal.forward_seconds == pytest.approx(1 / 3)
     second = NgramProposer()
-    auto = AutoProposer(SuffixProposer(None), second)
+    auto = AutoModelProposer(SuffixProposer(None), second, 3)
     SpeculationController.for_proposer(auto, 3, clock=clock)
     assert second.controller is auto.controller and second.controller.clock is clock
     assert SpeculationController.for_proposer(NullProposer(), 3).k_max == 0  # a proposer that never drafts: no K

@@ -15,7 +15,7 @@ from specdec.config import ModelConfig, SamplingParams
 from specdec.engine import Engine
 from specdec.engine.scheduler import Scheduler
 from specdec.models.kv_cache import PAGE, KVCache
-from specdec.speculative.auto import AutoProposer
+from specdec.speculative.auto_model import AutoModelProposer
 from specdec.speculative.proposers import SuffixProposer
 from specdec.speculative.suffix import SuffixCache
 from specdec.speculative.draft_model import DraftModelProposer
@@ -37,7 +37,7 @@ def engine_for(kind: str, blocks: int = 0, block: int = PAGE) -> Engine:
     outgrown before the first request ends, follow the machine's load)."""
     if kind in ("suffix", "auto"):
         suffix = SuffixProposer(SuffixCache(8, 100))
-        proposer = suffix if kind == "suffix" else AutoProposer(
+        proposer = suffix if kind == "suffix" else AutoModelProposer(
             suffix, DraftModelProposer(draft("fp32", "noisy copy"), 4, MAX_LEN, window=16), 3, True, "draft_model")
         engine = Engine(target("fp32"), FakeTokenizer(), proposer, 5 if kind == "suffix" else 8,
                         max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN, prefill_chunk=48,

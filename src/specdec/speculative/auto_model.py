@@ -1,4 +1,4 @@
-"""When auto speculation's draft model drafts, probes and reads a prompt (`ModelGate`), beside the suffix tries.
+"""Auto speculation beside a draft model: when it drafts, probes and reads a prompt, beside the suffix tries.
 
 A draft model's tokens are not labelled by kind as the trie's and the heads' are: its value comes from the
 sequence's measured acceptance rate under the geometric model (Leviathan et al.), its cost from its measured
@@ -18,53 +18,48 @@ if a draft at 0.95 would beat 12; losing again, it waits 32 steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, replace
 
-from specdec.speculative.costs import AcceptanceEstimate, CostModel, expected_tokens
-from specdec.speculative.proposers import Draft, Proposer
+from specdec.speculative.auto import AutoProposer, AutoRow
+from specdec.speculative.costs import AcceptanceEstimate, expected_tokens
+from specdec.speculative.proposers import Draft, Joining, PromptChunk, Proposal, Proposer, SuffixProposer
 
 
-@dataclass
-class ModelRow:
-    """What `ModelGate` knows of one sequence."""
-
+@dataclass(kw_only=True)
+class _ModelRow(AutoRow):
     rate: AcceptanceEstimate  # its draft-model acceptance
     idle: int = 0  # steps since the draft model last drafted for it
     reads: bool | None = None  # whether the draft model reads its prompt (decided at its first prompt chunk)
     probe_every: int = 0  # steps between its probes of the draft model
 
 
-@dataclass
-class ModelGate:
-    """The draft model `model` (K `k`, a maximum when `adaptive`) drafting where it pays, with the costs that
-    `costs()` gives (the controller's, once bound)."""
+class AutoModelProposer(AutoProposer):
+    """The suffix tries beside the draft model `model` (a proposer of unlabelled tokens; K `k`, a maximum when
+    `adaptive`), which drafts where it pays (see the module's docstring); `name` is its drafts' source."""
 
     MODEL_PRIOR = 0.8  # a draft model's acceptance rate before it is measured
     OPTIMISTIC = 0.95  # the rate at which a draft model's draft is judged able to pay at all (probes)
     SHARE_DECAY = 0.95  # `share`: each sequence's step weighs 1/20 (the last few dozen steps count)
 
-    model: Proposer
-    k: int
-    adaptive: bool
-    costs: Callable[[], CostModel]
-    name: str
-    probe_interval: int = 16
-    max_probe_interval: int = 256
-    read_rate: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate.with_prior(ModelGate.MODEL_PRIOR))
-    # of the recent steps that wanted a draft, the share in which the model's was worth more than the trie's and
-    # plain decoding's (its probes not counted): what reading a prompt can pay off on (`reading_pays`)
-    share: float = 1.0
+    def __init__(self, suffix: SuffixProposer, model: Proposer, k: int, adaptive: bool = True,
+                 name: str = "draft_model", probe_interval: int = 16, max_probe_interval: int = 256) -> None:
+        super().__init__(suffix, model, k, name)
+        self.adaptive = adaptive
+        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self.read_rate = AcceptanceEstimate.with_prior(self.MODEL_PRIOR)  # its acceptance on prompts it read
+        # of the recent steps that wanted a draft, the share in which the model's was worth more than the trie's
+        # and plain decoding's (its probes not counted): what reading a prompt can pay off on (`reading_pays`)
+        self.share = 1.0
 
-    def new_row(self) -> ModelRow:
-        return ModelRow(AcceptanceEstimate.with_prior(self.MODEL_PRIOR), probe_every=self.probe_interval)
+    def _new_row(self, seq) -> _ModelRow:
+        return _ModelRow(seq, rate=AcceptanceEstimate.with_prior(self.MODEL_PRIOR), probe_every=self.probe_interval)
 
     def choice(self, rate: float, limit: int, batch: int, behind: int = 0) -> tuple[int, float]:
         """(K, tokens per second) of the draft model at acceptance `rate`: K fixed (the configured one, within
         `limit`), or the best up to it; `behind`: the tokens it must read first beyond the usual two (a
         catch-up after the trie's accepted drafts, or a restart), at its prompt-reading cost. Before its
         drafting is measured at this batch size its value is infinite: it runs, and is measured."""
-        costs = self.costs()
+        costs = self.costs
         t_draft, base = costs.draft_time(batch), costs.pass_time(1)
         ks = range(1, limit + 1) if self.adaptive else [limit]
         if limit <= 0:
@@ -88,27 +83,28 @@ class ModelGate:
         2-core AVX2 machine on which the draft never pays. Measured on an agent's second edit turn (the seed's
         command, `max_tokens` 4000, a 2.2k-token prompt; 2-core Sapphire Rapids), before `share`: the whole
         prompt read before the first token, 11.7 s against 0.32 s, for an answer the trie drafted most of."""
-        costs = self.costs()
+        costs = self.costs
         base, reading = costs.pass_time(1), costs.draft_prefill_time(prompt_tokens)
         _, value = self.choice(self.read_rate.rate, self.k, batch)
         if base is None or reading is None or value == float("inf"):
             return False
         return value > 1.0 / base and output_tokens * self.share * (base - 1.0 / value) > reading
 
-    def reads(self, row: ModelRow, seq, start: int, batch_size: int) -> bool:
+    def _reads(self, seq, start: int, batch_size: int) -> bool:
         """Whether the draft model reads `seq`'s prompt (from `start`), decided once per sequence."""
+        row = self._row(seq)
         if row.reads is None:
             row.reads = self.reading_pays(batch_size, len(seq.tokens) - 1 - start,
                                           seq.params.max_tokens - seq.num_output)
         return row.reads
 
-    def draft(self, seqs, ks, rows: list[ModelRow], drafts: list[Draft], values: list[float]):
+    def _choose(self, seqs, ks, rows: list[_ModelRow], tries: list[Draft]) -> Proposal:
         """The draft model drafts for the sequences where it is worth more than the trie's draft and plain
-        decoding (`values` are at least plain's), and probes where it has been idle long enough and could pay
-        at all; one batched run for all of them. Returns (drafts, its forward seconds or None)."""
-        model_ks = []
+        decoding (the values are at least plain's), and probes where it has been idle long enough and could pay
+        at all; one batched run for all of them."""
+        values, model_ks = self._values(tries, rows), []
         for seq, k, row, value in zip(seqs, ks, rows, values):
-            limit, behind = min(k, self.k), max(0, self.model.behind(seq) - 2)
+            limit, behind = min(k, self.k), max(0, self.second.behind(seq) - 2)
             k_model, model_value = self.choice(row.rate.rate, limit, len(seqs), behind)
             probe = row.idle >= row.probe_every and self.choice(self.OPTIMISTIC, limit, len(seqs), behind)[1] > value
             won = k_model > 0 and model_value > value
@@ -123,14 +119,27 @@ class ModelGate:
             model_ks.append(k_model if use else 0)
             row.idle = 0 if use else row.idle + 1
         if not any(model_ks):
-            return drafts, None
-        proposal = self.model.propose(seqs, model_ks)
-        drafts = [replace(proposal.drafts[b], source=self.name) if k else d
-                  for b, (k, d) in enumerate(zip(model_ks, drafts))]
-        return drafts, proposal.forward_seconds
+            return Proposal(self._cut(tries, rows))
+        proposal = self.second.propose(seqs, model_ks)
+        drafts = [replace(proposal.drafts[b], source=self.second_name) if k else d
+                  for b, (k, d) in enumerate(zip(model_ks, tries))]
+        return Proposal(self._cut(drafts, rows), proposal.forward_seconds)
 
-    def observe(self, row: ModelRow, num_drafted: int, num_accepted: int) -> None:
-        """A draft of the model's was verified: its rate, and the rate on read prompts if it read this one."""
-        row.rate.update(num_drafted, num_accepted, 0.9)
-        if row.reads:
-            self.read_rate.update(num_drafted, num_accepted, 0.9)
+    def _learn(self, row: _ModelRow, draft: Draft, verdict) -> None:
+        """Also, where a draft of the model's was verified: its rate, and the rate on read prompts if it read
+        this one."""
+        super()._learn(row, draft, verdict)
+        if draft.tokens and draft.kinds is None:
+            row.rate.update(len(draft.tokens), verdict.num_accepted, 0.9)
+            if row.reads:
+                self.read_rate.update(len(draft.tokens), verdict.num_accepted, 0.9)
+
+    def read_prompt(self, chunk: PromptChunk) -> None:
+        self.suffix.read_prompt(chunk)
+        if self._reads(chunk.seq, chunk.start, chunk.batch.batch_size):
+            self.second.read_prompt(chunk)
+
+    def restore_prefix(self, seq, prefix, chain: list, cached: int, batch: Joining) -> int:
+        if not self._reads(seq, 0, batch.batch_size):
+            return cached
+        return super().restore_prefix(seq, prefix, chain, cached, batch)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from specdec.config import SpeculativeConfig
 from specdec.speculative.auto import AutoProposer
+from specdec.speculative.auto_heads import AutoHeadsProposer
+from specdec.speculative.auto_model import AutoModelProposer
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.draft_model import DraftModelProposer, draft_vocabulary
 from specdec.speculative.proposers import NgramProposer, NullProposer, Proposer, SuffixProposer
@@ -27,7 +29,8 @@ def build_proposer(spec: SpeculativeConfig | None, *, vocab_size: int, max_num_s
     """The proposer `spec` asks for (the `NullProposer` for None or K = 0). `draft_model` (method
     "draft_model", or "auto" with a draft model) and `heads` (medusa, eagle, or "auto" with heads) are loaded
     by the caller; `vocab_size` is the target's; `special_ids` the tokenizer's special tokens (a draft
-    vocabulary keeps them). With suffix drafts beside a drafter (`spec.with_suffix`): an `AutoProposer`."""
+    vocabulary keeps them). With suffix drafts beside a drafter (`spec.with_suffix`): an `AutoProposer` (the
+    trie alone), `AutoModelProposer` (beside a draft model) or `AutoHeadsProposer` (beside heads)."""
     if spec is None or spec.num_speculative_tokens == 0:
         return NullProposer()
     if spec.method == "ngram":
@@ -36,12 +39,15 @@ def build_proposer(spec: SpeculativeConfig | None, *, vocab_size: int, max_num_s
         return _suffix(spec)
     if not spec.with_suffix:
         return _single(spec, vocab_size, max_num_seqs, max_model_len, draft_model, heads, special_ids, spec.method)
-    second, name = None, None
-    if draft_model is not None or heads is not None:
-        method = "draft_model" if draft_model is not None else heads.config.method
-        second = _single(spec, vocab_size, max_num_seqs, max_model_len, draft_model, heads, special_ids, method)
-        name = method
-    return AutoProposer(_suffix(spec), second, spec.num_speculative_tokens, spec.adaptive, name, tree=spec.auto_tree)
+    k = spec.num_speculative_tokens
+    if draft_model is not None:
+        model = _single(spec, vocab_size, max_num_seqs, max_model_len, draft_model, None, special_ids, "draft_model")
+        return AutoModelProposer(_suffix(spec), model, k, spec.adaptive, "draft_model")
+    if heads is not None:
+        method = heads.config.method
+        second = _single(spec, vocab_size, max_num_seqs, max_model_len, None, heads, special_ids, method)
+        return AutoHeadsProposer(_suffix(spec), second, k, method, tree=spec.auto_tree)
+    return AutoProposer(_suffix(spec), NullProposer())
 
 
 def _suffix(spec: SpeculativeConfig) -> SuffixProposer:
