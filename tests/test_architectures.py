@@ -143,6 +143,32 @@ def test_block_rows_do_not_depend_on_the_rows_computed_with_them(blocks):
         assert torch.equal(logits[width], logits[1]), f"{width} rows at once round differently from 1"
 
 
+def test_the_fused_layer_op_computes_the_bits_of_the_layers_modules(blocks):
+    """Each dense layer as one CPU op (`decoder_layer`: q/k norms, sandwich norms, tanh-GELU where the family has
+    them) against the same layer run module by module, for a prompt and then 3 more tokens at once."""
+    model = blocks[0]
+    fused = [layer for layer in model.model.layers if layer.fused_args is not None]
+    assert len(fused) == (0 if model.config.arch.moe else model.config.num_hidden_layers)
+    ids = prompt_ids(5, 24)  # 30 ids
+
+    def logits():
+        cache = model.new_cache(1, MAX_LEN)
+        first = model(torch.tensor([ids[:27]]), torch.arange(27)[None], cache)[0]
+        cache.advance(0, 27)
+        return torch.cat([first, model(torch.tensor([ids[27:]]), torch.arange(27, 30)[None], cache)[0]])
+
+    kept = [layer.fused_args for layer in fused]
+    as_one_op = logits()
+    for layer in fused:
+        layer.fused_args = None
+    try:
+        module_by_module = logits()
+    finally:
+        for layer, args in zip(fused, kept):
+            layer.fused_args = args
+    assert torch.equal(as_one_op, module_by_module)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_speculative_greedy_equals_plain_on_the_block_kernels(blocks, k):
     """The model drafting for itself (every draft accepted: bonus tokens, K-row passes) and n-grams (mostly

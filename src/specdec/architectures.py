@@ -32,11 +32,6 @@ class Architecture:
     # ffn_up holds gate and up)
     gguf_kinds: tuple[tuple[str, str], ...] = ()
 
-    @property
-    def plain(self) -> bool:
-        """Llama's layer exactly: the one the fused CPU decoder-layer op computes."""
-        return not (self.qk_norm or self.sandwich_norms or self.embed_scale or self.moe)
-
 
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 _GEMMA_KINDS = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),

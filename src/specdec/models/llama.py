@@ -373,25 +373,30 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sliding = config.is_sliding(layer_idx)
-        self.plain = config.arch.plain and config.hidden_act == "silu"  # what the fused layer op computes
+        self.gelu = config.hidden_act == "gelu_tanh"
 
         # (models on the block kernels, `fuse`) the whole layer as one CPU op: its weights and settings
         self.fused_args: tuple | None = None
 
     def fuse(self) -> None:
         """Run this layer as one CPU op (`kernels/csrc/ops/decoder_layer.cpp`, the same ops in the same order: the
-        same bits) when its norms, rope and attention are fused and its matrices are `QuantLinear`s."""
+        same bits) when its norms, rope and attention are fused and its matrices are `QuantLinear`s; a layer of
+        routed experts stays op by op."""
         attn, mlp = self.self_attn, self.mlp
-        if not self.plain:
+        if isinstance(mlp, MoE):
             return
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not (attn.fused and self.input_layernorm.fused and all(isinstance(m, QuantLinear) for m in linears)):
             return
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        if self.sandwich:
+            norms += [self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight]
         qkv, o, gate_up, down = linears
         self.fused_args = (norms, self.input_layernorm.eps, qkv.kernel_blocks, qkv.kernel_types, qkv.bias,
                            o.kernel_blocks, o.kernel_types, gate_up.kernel_blocks, gate_up.kernel_types,
                            down.kernel_blocks, down.kernel_types)
+        q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        self.fused_family = {"q_norm": q_norm, "k_norm": k_norm, "gelu": self.gelu, "q_factor": attn.q_factor or 1.0}
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                  slots: torch.Tensor) -> None:
@@ -423,7 +428,7 @@ class DecoderLayer(nn.Module):
             idx, attn = self.self_attn.layer_idx, self.self_attn
             return qgemm.ops().decoder_layer(x, *self.fused_args, cos, sin, cache.keys[idx], cache.values[idx],
                                              slots, mask, key_index, attn.num_heads, attn.num_kv_heads,
-                                             cache.page_table(x.shape[0], mask.shape[-1]))
+                                             cache.page_table(x.shape[0], mask.shape[-1]), **self.fused_family)
         if self.sandwich:
             x = x + self.post_attention_layernorm(
                 self.self_attn(self.input_layernorm(x), cos, sin, cache, write_slots, mask, key_index))

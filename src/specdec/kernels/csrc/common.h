@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>

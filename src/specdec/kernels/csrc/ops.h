@@ -40,6 +40,8 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
                          std::vector<int64_t> o_t, std::vector<at::Tensor> gu_w, std::vector<int64_t> gu_t,
                          std::vector<at::Tensor> dn_w, std::vector<int64_t> dn_t, at::Tensor cos, at::Tensor sin,
                          at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor visible,
-                         c10::optional<at::Tensor> key_index, int64_t H, int64_t KV, c10::optional<at::Tensor> pages);
+                         c10::optional<at::Tensor> key_index, int64_t H, int64_t KV, c10::optional<at::Tensor> pages,
+                         c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, bool gelu,
+                         double q_factor);
 
 }  // namespace SPECDEC_QLIB

@@ -24,5 +24,6 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("decoder_layer(Tensor x, Tensor[] norms, float eps, Tensor[] qkv, int[] qkv_types, Tensor? qkv_bias, "
         "Tensor[] o, int[] o_types, Tensor[] gate_up, int[] gate_up_types, Tensor[] down, int[] down_types, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor visible, "
-        "Tensor? key_index, int num_heads, int num_kv_heads, Tensor? pages=None) -> Tensor", &decoder_layer);
+        "Tensor? key_index, int num_heads, int num_kv_heads, Tensor? pages=None, Tensor? q_norm=None, "
+        "Tensor? k_norm=None, bool gelu=False, float q_factor=1.0) -> Tensor", &decoder_layer);
 }

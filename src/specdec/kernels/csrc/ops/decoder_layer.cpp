@@ -6,12 +6,14 @@
 
 namespace SPECDEC_QLIB {
 namespace {
-// One decoder layer of a Llama/Qwen2 model on the block kernels, as `models.llama.DecoderLayer` computes it
-// (the same ops in the same order, so the same bits): x + attn(norm1(x)), then + mlp(norm2(.)), where attn
-// is qkv -> rope(q), rope(k) -> k, v written to their cache slots -> attention -> o, and mlp is
-// down(silu(gate) * up).  One call a layer instead of some forty from Python.  weights: [qkv, o, gate_up,
-// down] as segments of blocks with their types; slots [B, T]: the cache slot of each new token; pages: as
-// `attention`'s.
+// One dense decoder layer on the block kernels, as `models.llama.DecoderLayer` computes it (the same ops in
+// the same order, so the same bits): x + attn(norm1(x)), then + mlp(norm2(.)), where attn is qkv -> rope(q),
+// rope(k) -> k, v written to their cache slots -> attention -> o, and mlp is down(act(gate) * up).  One call a
+// layer instead of some forty from Python.  weights: [qkv, o, gate_up, down] as segments of blocks with their
+// types; slots [B, T]: the cache slot of each new token; pages: as `attention`'s.  What other families add
+// (`specdec.architectures`): q_norm, k_norm: per-head norms of q and k before rope (Qwen3, Gemma 3);
+// four norms, the sandwich x + norm2(attn(norm1(x))), then + norm4(mlp(norm3(.))) (Gemma 3); gelu: tanh-GELU
+// for act (else SiLU); q_factor: q scaled after rope (a query scale other than head_dim's).
 void write_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, const int64_t* pages, int64_t np) {
   // src [B, T, KV, D] rows; cache [pages, KV, P, D] (D: a row's elements, of src's dtype); slot s of row b:
   // page pages[b][s / P] (or b), row s % P
@@ -37,8 +39,13 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
                          std::vector<int64_t> o_t, std::vector<at::Tensor> gu_w, std::vector<int64_t> gu_t,
                          std::vector<at::Tensor> dn_w, std::vector<int64_t> dn_t, at::Tensor cos, at::Tensor sin,
                          at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor visible,
-                         c10::optional<at::Tensor> key_index, int64_t H, int64_t KV, c10::optional<at::Tensor> pages) {
-  TORCH_CHECK(x.dim() == 3 && norms.size() == 2 && cos.dim() == 3, "decoder_layer: x [B, T, hidden], two norms");
+                         c10::optional<at::Tensor> key_index, int64_t H, int64_t KV, c10::optional<at::Tensor> pages,
+                         c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, bool gelu,
+                         double q_factor) {
+  TORCH_CHECK(x.dim() == 3 && (norms.size() == 2 || norms.size() == 4) && cos.dim() == 3,
+              "decoder_layer: x [B, T, hidden], two or four norms");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm go together");
+  const bool sandwich = norms.size() == 4;
   const int64_t B = x.size(0), Tn = x.size(1), Hd = x.size(2), D = cos.size(2);
   const bool q8 = k_cache.scalar_type() == at::kChar;  // Q8_0 rows (kv_quant.h): the new K/V encoded, then written
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == KV &&
@@ -61,17 +68,29 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
   const int64_t np = pages.has_value() ? table.size(1) : 1;
   const at::Tensor h = rms_norm(x, norms[0], eps);
   const at::Tensor qkv = qmm(h.view({B * Tn, Hd}), qkv_w, qkv_t, qkv_b).view({B, Tn, (H + 2 * KV) * D});
-  const at::Tensor q = rope(qkv.narrow(2, 0, H * D).view({B, Tn, H, D}), cos, sin);
-  const at::Tensor k = rope(qkv.narrow(2, H * D, KV * D).view({B, Tn, KV, D}), cos, sin);
+  at::Tensor q = qkv.narrow(2, 0, H * D).view({B, Tn, H, D});
+  at::Tensor k = qkv.narrow(2, H * D, KV * D).view({B, Tn, KV, D});
+  if (q_norm.has_value()) {
+    q = rms_norm(q, *q_norm, eps);
+    k = rms_norm(k, *k_norm, eps);
+  }
+  q = rope(q, cos, sin);
+  k = rope(k, cos, sin);
+  if (q_factor != 1.0) q = at::mul(q, q_factor);
   const at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, Tn, KV, D});
   write_slots(q8 ? quantize_kv(k) : k, k_cache, slots.data_ptr<int64_t>(), page_ptr, np);
   write_slots(q8 ? quantize_kv(v) : v, v_cache, slots.data_ptr<int64_t>(), page_ptr, np);
   const at::Tensor a = attention(q, k_cache, v_cache, visible, key_index, pages);
-  const at::Tensor x1 = at::add(x, qmm(a.view({B * Tn, H * D}), o_w, o_t, c10::nullopt).view({B, Tn, Hd}));
-  const at::Tensor gu = qmm(rms_norm(x1, norms[1], eps).view({B * Tn, Hd}), gu_w, gu_t, c10::nullopt);
+  at::Tensor o = qmm(a.view({B * Tn, H * D}), o_w, o_t, c10::nullopt).view({B, Tn, Hd});
+  if (sandwich) o = rms_norm(o, norms[1], eps);
+  const at::Tensor x1 = at::add(x, o);
+  const at::Tensor gu = qmm(rms_norm(x1, norms[sandwich ? 2 : 1], eps).view({B * Tn, Hd}), gu_w, gu_t, c10::nullopt);
   const int64_t I = gu.size(1) / 2;
-  const at::Tensor act = at::mul(at::silu(gu.narrow(1, 0, I)), gu.narrow(1, I, I));
-  return at::add(x1, qmm(act, dn_w, dn_t, c10::nullopt).view({B, Tn, Hd}));
+  const at::Tensor gate = gu.narrow(1, 0, I);
+  const at::Tensor act = at::mul(gelu ? at::gelu(gate, "tanh") : at::silu(gate), gu.narrow(1, I, I));
+  at::Tensor m = qmm(act, dn_w, dn_t, c10::nullopt).view({B, Tn, Hd});
+  if (sandwich) m = rms_norm(m, norms[3], eps);
+  return at::add(x1, m);
 }
 
 }  // namespace SPECDEC_QLIB
