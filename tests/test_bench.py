@@ -135,7 +135,8 @@ def test_summaries_and_recommendation_on_known_metrics():
     assert sampled[1].identical is None
 
     text = render([base, s, bad], {"target": TARGET, "source": "t.jsonl", "prompts": 2, "max_tokens": 20,
-                                   "temperature": 0.0, "setup": "cpu"}, [])
+                                   "temperature": 0.0, "setup": "cpu", "target_pass_ms": {"1": 10.0, "4": 25.0}}, [])
+    assert "## Target pass cost by rows" in text and "| 4 | 25.00 | 2.50 |" in text
     assert "| draft:d:k=3 | 13.33 | 2.00x (2.00-2.00) | 2.50 | 0.78 | 50% / 40% / 10% | 1 MiB | 2/2 |" in text
     assert "| ngram:k=3 |" in text and "1/2 **NO**" in text and "This is a bug" in text
     # 4 tokens per pass cannot make decoding 6x faster: the timing is flagged (2x with 2.5 per pass is not)
@@ -182,6 +183,9 @@ def test_bench_command_on_the_tiny_model(tiny_gguf, tmp_path, capsys):  # noqa: 
     assert draft["metrics"]["acceptance_rate"] == 1.0 and draft["per_position"] == [1.0, 1.0, 1.0]  # its own draft
     assert draft["memory_bytes"] > 0 and "3/3" in md and "**NO**" not in md
     assert "## Speedup by category" in md and "![speedup](speedup.png)" in md
+    passes = report["target_pass_ms"]  # as the controllers measured them: one row and the drafts' widths
+    assert "1" in passes and len(passes) > 1 and all(ms > 0 for ms in passes.values())
+    assert "## Target pass cost by rows" in md
 
     command = md.rstrip().splitlines()[-2]  # the last line in the closing code block
     assert command == printed.rstrip().splitlines()[-1] and command.startswith(f"specdec serve {tiny_gguf}")

@@ -82,7 +82,8 @@ def run_bench(args: argparse.Namespace) -> int:
     dtype = str(llm.dtype).removeprefix("torch.")
     info = {"target": args.model, "source": source_name(args), "prompts": len(prompts), "max_tokens": args.max_tokens,
             "temperature": args.temperature, "setup": f"on {llm.device}, target weights {llm.quantization}, "
-                                                      f"activations {dtype}"}
+                                                      f"activations {dtype}",
+            "target_pass_ms": pass_costs(engines)}
     sampling = "greedy" if params.greedy else f"temperature {args.temperature}"
     subtitle = f"{args.model}, {len(prompts)} prompts ({info['source']}), {args.max_tokens} tokens max, {sampling}"
     plots = write_plots(out, summaries, subtitle)
@@ -92,6 +93,18 @@ def run_bench(args: argparse.Namespace) -> int:
     best = recommend(summaries)
     print(f"recommended: {best.name}\n{serve_command(args.model, best)}")
     return 0 if all(s.identical in (None, len(prompts)) for s in summaries) else 1
+
+
+def pass_costs(engines) -> dict[int, float]:
+    """Milliseconds of a target pass by its rows, as the engines' controllers measured them (running means at the
+    depth of their last steps; the lowest across the methods' engines). What verifying a draft of rows - 1 tokens
+    costs on this target: flat-ish for a dense model, growing faster for a mixture of experts (each row reads its
+    own experts)."""
+    seen: dict[int, float] = {}
+    for engine in engines:
+        for rows, seconds in engine.costs.verify.items():
+            seen[rows] = min(seen.get(rows, seconds), seconds)
+    return {rows: round(1e3 * seen[rows], 3) for rows in sorted(seen)}
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

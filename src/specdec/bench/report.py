@@ -103,6 +103,13 @@ def render(summaries: list[Summary], info: dict, plots: list[Path]) -> str:
                 "The share of drafts whose token at each position was accepted, and with it every token before "
                 "it (acceptance stops at the first rejected token, so the share falls with the position).", "",
                 *positions, ""]
+    passes = {int(rows): ms for rows, ms in (info.get("target_pass_ms") or {}).items()}
+    if len(passes) > 1 and 1 in passes:
+        out += ["## Target pass cost by rows", "",
+                "A target pass of R rows (one sequence's last token and a draft of R - 1), as the controller "
+                "measured it while the methods ran: what verification costs on this target and machine.", "",
+                "| rows | ms | x one row |", "|---|---|---|",
+                *[f"| {rows} | {ms:.2f} | {ms / passes[1]:.2f} |" for rows, ms in sorted(passes.items())], ""]
     if len(summaries[0].speedup_by_category) > 1:
         out += ["## Speedup by category", "", *category_table(summaries), ""]
     if plots:
