@@ -69,6 +69,12 @@ def load_config(path: str | Path) -> ModelConfig:
     return hf_config(path)
 
 
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The model's tokenizer alone: a GGUF's `tokenizer.ggml.*` metadata, or a folder's tokenizer files."""
+    path = _checked_path(path)
+    return Tokenizer.from_gguf(GGUFFile(path)) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
+
+
 def load_checkpoint(
     path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", progress: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -209,14 +209,12 @@ def load_tokenizer(args: argparse.Namespace):
     """The ingress's tokenizer (`specdec.server.replicas`): the target's, with --chat-template, no weights."""
     from specdec.api import DEFAULT_TARGET
     from specdec.llm_args import pull_if_needed
-    from specdec.models.gguf_file import GGUFFile
+    from specdec.models.loading import load_tokenizer as read_tokenizer
     from specdec.models.store import resolve_model
-    from specdec.models.tokenizer import Tokenizer
 
     target = args.model or DEFAULT_TARGET
     pull_if_needed(target)
-    path = resolve_model(target)
-    tokenizer = Tokenizer.from_gguf(GGUFFile(path)) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
+    tokenizer = read_tokenizer(resolve_model(target))
     if args.chat_template is not None:
         tokenizer.set_chat_template(read_chat_template(args.chat_template))
     return tokenizer
