@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from specdec import LLM
-from specdec.heads.modules import HEAD_CLASSES, _Head, read_heads_config, resolve_heads
+from specdec.heads.files import read_heads_config, resolve_heads
+from specdec.heads.modules import HEAD_CLASSES, _Head
 from specdec.speculative.tree import ancestor_mask
 
 TARGET = "qwen2.5-coder-1.5b-instruct"

@@ -83,7 +83,7 @@ def main() -> None:
     prompts = dataset_prompts("humaneval")[:args.humaneval]
     prompt_ids = [p.token_ids(llm.tokenizer) for p in prompts]
     old_modules, old_proposers = baseline_modules(args.baseline)
-    import specdec.heads.modules as new_modules
+    import specdec.heads.files as new_modules  # (load_heads, resolve_heads: in heads/modules.py before)
     import specdec.speculative.head_proposers as new_proposers
 
     methods, engines = [Method("plain", None)], [llm.engine_for(None)]

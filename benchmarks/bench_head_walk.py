@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from specdec import LLM, SamplingParams
 from specdec.bench.compare import decode
 from specdec.config import SpeculativeConfig
-from specdec.heads.modules import read_heads_config, resolve_heads
+from specdec.heads.files import read_heads_config, resolve_heads
 from specdec.training.losses import evaluate_chains
 from specdec.training.train import TrainConfig, _eagle_start, _trainable_heads, held_out_windows
 

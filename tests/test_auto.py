@@ -14,7 +14,7 @@ from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.api import build_speculative_config
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
-from specdec.heads.modules import load_heads
+from specdec.heads.files import load_heads
 from specdec.sampling import process_logits
 from specdec.speculative.auto import AutoProposer
 from specdec.speculative.auto_heads import AutoHeadsProposer

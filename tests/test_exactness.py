@@ -116,7 +116,7 @@ HEAD_PROMPTS = 2  # of the 3: each tree node is a target row, which costs time o
 def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
     """The Medusa, EAGLE and EAGLE-3 heads shipped for the default target, chain and tree, their matrices in
     Q8_0 or Q4_0: speculative == plain."""
-    from specdec.heads.modules import load_heads, resolve_heads
+    from specdec.heads.files import load_heads, resolve_heads
     from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
     from specdec.speculative.tree import DynamicTree
 
@@ -139,7 +139,7 @@ def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
 def test_shipped_medusa_heads_run_together_give_each_head_its_own_bits(pair):
     """On the target's blocks the heads' states go through the output layer as one multi-row call: each
     head's logits are the bits of running it alone (the kernels' row invariance)."""
-    from specdec.heads.modules import load_heads, resolve_heads
+    from specdec.heads.files import load_heads, resolve_heads
 
     head = load_heads(resolve_heads("qwen2.5-coder-1.5b-instruct-medusa"), pair.target, "medusa")
     hidden = torch.randn(pair.target.config.hidden_size, generator=torch.Generator().manual_seed(0))

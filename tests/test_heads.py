@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from specdec.heads.modules import EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, load_heads, save_heads
+from specdec.heads.files import load_heads, save_heads
+from specdec.heads.modules import EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads
 from specdec.training import TrainConfig, train_heads
 
 
@@ -291,7 +292,8 @@ def test_an_eagle_head_on_the_block_kernels_runs_its_layer_as_one_op(tmp_path, f
     from test_tokenizer import write_tiny_gguf
 
     from specdec.api import load_model
-    from specdec.heads.modules import _Head, read_heads_config
+    from specdec.heads.files import read_heads_config
+    from specdec.heads.modules import _Head
     from specdec.speculative.tree import ancestor_mask
 
     path = tmp_path / "tiny.gguf"
@@ -339,7 +341,8 @@ def test_heads_in_q4_0_read_half_the_bytes_and_compute_what_the_float_heads_comp
     from test_tokenizer import write_tiny_gguf
 
     from specdec.api import load_model
-    from specdec.heads.modules import head_bytes, read_heads_config
+    from specdec.heads.files import read_heads_config
+    from specdec.heads.modules import head_bytes
     from specdec.kernels.qgemm import Q4_0
     from specdec.models.qlinear import QuantLinear
 

@@ -14,7 +14,7 @@ import torch
 from fakes import FakeTokenizer, one_intra_op_thread, step_clock, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.heads.modules import load_heads
+from specdec.heads.files import load_heads
 from specdec.training import TrainConfig, train_heads
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.costs import CostModel

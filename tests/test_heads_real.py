@@ -53,7 +53,7 @@ def record(llm, name: str) -> dict:
     """Run one configuration on both prompts: each step's drafts ([tokens, parents] per sequence) and outputs."""
     from specdec.config import SamplingParams
     from specdec.engine import Engine
-    from specdec.heads.modules import load_heads, resolve_heads
+    from specdec.heads.files import load_heads, resolve_heads
     from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
     from specdec.speculative.tree import DynamicTree
 

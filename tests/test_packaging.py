@@ -38,7 +38,7 @@ def test_the_files_read_at_run_time_are_package_data():
 
 def test_weights_ship_as_data_outside_the_code_folders():
     """The shipped heads' weights lie in specdec/data, not beside the modules; the heads module finds them there."""
-    from specdec.heads.modules import PRETRAINED, resolve_heads
+    from specdec.heads.files import PRETRAINED, resolve_heads
 
     weights = sorted(p.relative_to(ROOT).parts[0] for p in ROOT.rglob("*.safetensors"))
     assert weights and set(weights) == {"data"}

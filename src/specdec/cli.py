@@ -78,7 +78,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from specdec.models.loading import resolve_dtype
     from specdec.models.quant import resolve_quantization
     from specdec.models.store import KNOWN_MODELS, pull
-    from specdec.heads.modules import resolve_heads
+    from specdec.heads.files import resolve_heads
     from specdec.training import TrainConfig, train_heads
 
     if args.model in KNOWN_MODELS:

@@ -162,7 +162,7 @@ def parse_methods(text: str, target: str) -> list[Method]:
 def default_methods(target: str) -> str:
     """plain and ngram; the default draft when the target is the default one; the shipped heads for it."""
     from specdec.api import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specdec.heads.modules import PRETRAINED
+    from specdec.heads.files import PRETRAINED
 
     methods = ["plain", "ngram", "suffix", "auto"]
     if target == DEFAULT_TARGET:
@@ -179,7 +179,7 @@ def shipped_heads_name(target: str, kind: str) -> str:
     """The shipped heads that `kind` (medusa, eagle) defaults to for `target`: the first of its
     `HEADS_SUFFIXES` shipped, else the name the first would have. Example: the default target's eagle ->
     qwen2.5-coder-1.5b-instruct-eagle3."""
-    from specdec.heads.modules import PRETRAINED
+    from specdec.heads.files import PRETRAINED
 
     names = [f"{Path(target).name.removesuffix('.gguf')}-{suffix}" for suffix in HEADS_SUFFIXES[kind]]
     return next((name for name in names if (PRETRAINED / name).is_dir()), names[0])

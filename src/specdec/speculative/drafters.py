@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.heads.modules import head_bytes, is_heads_folder, load_heads, resolve_heads, shipped_heads
+from specdec.heads.files import is_heads_folder, load_heads, resolve_heads, shipped_heads
+from specdec.heads.modules import head_bytes
 from specdec.models.kv_cache import KVCache
 from specdec.models.loading import resolve_dtype
 from specdec.models.quant import resolve_quantization

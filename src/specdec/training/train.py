@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from specdec.data import DATA_DIR
-from specdec.heads.modules import (EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, read_heads_config,
-                                   save_heads, target_fingerprint)
+from specdec.heads.files import read_heads_config, save_heads
+from specdec.heads.modules import EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, target_fingerprint
 from specdec.training.features import (
     choose_vocab, collate, extract_features, greedy_answers, humaneval_tasks, load_windows, prompt_split,
     function_prompts, self_distilled, solution_windows, stdlib_windows, tokens_by_source,
