@@ -44,7 +44,7 @@ from specdec.server.protocol import (
 )
 from specdec.server.renderers import ChatRenderer, CompletionRenderer, Renderer
 from specdec.server.responses import ResponseStore, ResponsesRequest, ResponseTranslator
-from specdec.server.streams import REACHED_ENGINE, ApiRequest, SSEResponse, Tracker, with_cancellation
+from specdec.server.streams import ApiRequest, SSEResponse, Tracker, engine_took_request, with_cancellation
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 QUEUE_FULL_RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full queue: a hint, the queue moves each step
@@ -382,7 +382,7 @@ class _Server:
                 started = time.monotonic()
                 stream = await self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params, cache_salt)
                 request.trackers[sub.prompt_index].append(Tracker(stream, started, self.metrics))
-                REACHED_ENGINE.get([False])[0] = True  # its tracker counts it from now on
+                engine_took_request()  # its tracker counts it from now on
         except BaseException as e:
             request.close()
             if isinstance(e, ValueError):

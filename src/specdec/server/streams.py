@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -170,21 +171,35 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-# [reached]: set by `with_cancellation` for the handler's task (which copies the context), made True by
-# `_submit` once the engine has taken the request: from then on its trackers count how it ends
-REACHED_ENGINE: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("REACHED_ENGINE")
+@dataclasses.dataclass
+class Handoff:
+    """Whether the engine has taken a handler's request: from then on its trackers count how it ends; before,
+    `with_cancellation` counts a client gone as an aborted request. One per handler task, which sees it through
+    the context it copies (`_HANDOFF`); `engine_took_request` marks it."""
+
+    reached: bool = False
+
+
+_HANDOFF: contextvars.ContextVar[Handoff] = contextvars.ContextVar("specdec_handoff")
+
+
+def engine_took_request() -> None:
+    """Called once the engine holds the current handler's request (`_submit`); nothing outside a handler."""
+    handoff = _HANDOFF.get(None)
+    if handoff is not None:
+        handoff.reached = True
 
 
 async def with_cancellation(request: Request, handler) -> Response:
     """Run `handler` until it answers or the client disconnects (then cancel it: its request is aborted).
     A streaming answer is returned at once; its own response object watches the connection after that.
     A client gone before the engine took its request is counted here as an aborted request (499)."""
-    started, reached = time.monotonic(), [False]
-    token = REACHED_ENGINE.set(reached)
+    started, handoff = time.monotonic(), Handoff()
+    token = _HANDOFF.set(handoff)
     try:
-        task = asyncio.ensure_future(handler)
+        task = asyncio.ensure_future(handler)  # (copies the context: the task sees `handoff`)
     finally:
-        REACHED_ENGINE.reset(token)
+        _HANDOFF.reset(token)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -193,7 +208,7 @@ async def with_cancellation(request: Request, handler) -> Response:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        if not reached[0]:
+        if not handoff.reached:
             request.app.state.server.metrics.request_finished("abort", 0, None, time.monotonic() - started)
         return Response(status_code=499)  # nobody reads it: the client is gone
     finally:
