@@ -1,6 +1,6 @@
 """Row-invariant weight-only int8 GEMM for AVX2/FMA CPUs: y = x @ (qweight * scale[:, None]).T.
 
-The C++ kernel (int8_gemm.cpp) is built at install (`specdec.kernels.native`; in a developer's checkout
+The C++ kernel (csrc/int8/int8_gemm.cpp) is built at install (`specdec.kernels.native`; in a developer's checkout
 whose C++ differs, on first use).  Its cost is nearly flat in the number of rows for small M (the int8
 weight stream is converted once per group of up to 6 rows), and row m of the output is bit-identical whatever the other rows are and however many there
 are, which keeps speculative verification bit-identical to plain decoding.

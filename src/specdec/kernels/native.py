@@ -70,8 +70,12 @@ class Library:
         return h.hexdigest()
 
 
+OWN_LIBRARIES = ("int8",)  # folders under csrc/ built as libraries of their own, not into the block kernels
+
+
 def _kernel_files() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    files = sorted(p.relative_to(PACKAGE).as_posix() for p in CSRC.rglob("*") if p.suffix in (".cpp", ".h"))
+    files = sorted(p.relative_to(PACKAGE).as_posix() for p in CSRC.rglob("*")
+                   if p.suffix in (".cpp", ".h") and p.relative_to(CSRC).parts[0] not in OWN_LIBRARIES)
     return tuple(f for f in files if f.endswith(".cpp")), tuple(f for f in files if f.endswith(".h"))
 
 
@@ -84,7 +88,7 @@ def qgemm_library(isa: str) -> Library:
 def libraries() -> list[Library]:
     """Every native library specdec has: the block kernels once per ISA, the int8 kernel, the suffix trie."""
     return [qgemm_library(isa) for isa in ISA_FLAGS] + [
-        Library("specdec_int8", ("kernels/int8_gemm.cpp",), ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")),
+        Library("specdec_int8", ("kernels/csrc/int8/int8_gemm.cpp",), ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")),
         Library("specdec_suffix_trie", ("speculative/suffix_trie.cpp",), ("-O2", "-std=c++17"), torch=False),
     ]
 
