@@ -64,3 +64,24 @@ def test_speculative_greedy_equals_plain_on_the_block_kernels(path):
         for proposer in (NgramProposer(), SuffixProposer(SuffixCache()), SuffixProposer(SuffixCache(), tree=True)):
             out = run(Engine(model, tokenizer, proposer, 5, max_model_len=256), ids, params)
             assert out.token_ids == plain, type(proposer).__name__
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_shipped_medusa_heads_greedy_equals_plain(path, tree):
+    """The Medusa heads shipped for Gemma 3 270M (`data/heads/gemma-3-270m-medusa`), K = 3, chain and tree."""
+    from specdec.heads.files import load_heads, resolve_heads, shipped_heads
+    from specdec.models.loading import load_quantized
+    from specdec.speculative.head_proposers import MedusaProposer, default_tree
+
+    _, model, tokenizer = load_quantized(path, "gguf", torch.bfloat16)
+    assert shipped_heads(model) == resolve_heads("gemma-3-270m-medusa")  # found by the target's fingerprint
+    head = load_heads(resolve_heads("gemma-3-270m-medusa"), model, "medusa")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    accepted = 0
+    for ids in held_out_prompts(tokenizer, 2):
+        plain = run(Engine(model, tokenizer, None, 0, max_model_len=256), ids, params).token_ids
+        proposer = MedusaProposer(head, model.config.vocab_size, default_tree(3) if tree else None, max_depth=3)
+        out = run(Engine(model, tokenizer, proposer, 3, max_model_len=256), ids, params)
+        assert out.token_ids == plain
+        accepted += out.metrics.num_accepted_tokens
+    assert accepted > 0
