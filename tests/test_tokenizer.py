@@ -17,6 +17,7 @@ from tokenizers import pre_tokenizers
 
 from specdec.models import tokenizer as tokenizer_module
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.testing.tiny_arch import rope_permute
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -26,11 +27,6 @@ BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 one-byte tokens o
 MERGES = ["Ġ t", "h e", "Ġt he", "i n"]
 SPECIAL = {"<|endoftext|>": 3, "<|im_start|>": 3, "<|im_end|>": 3, "<tool_call>": 4}  # CONTROL=3, USER_DEFINED=4
 TOKENS = BYTES + ["Ġt", "he", "Ġthe", "in"] + list(SPECIAL)
-
-
-def _rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter layout for q/k rows of `llama` models (what our loader undoes)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, tied: bool = True,
@@ -85,7 +81,7 @@ def _add_layer(writer, hf, i, w, arch, dims) -> None:
         hf[hf_name] = value
         stored = value
         if arch == "llama" and gguf_name in ("attn_q.weight", "attn_k.weight"):
-            stored = _rope_permute(value, heads if gguf_name == "attn_q.weight" else kv_heads)
+            stored = rope_permute(value, heads if gguf_name == "attn_q.weight" else kv_heads)
         writer.add_tensor(f"blk.{i}.{gguf_name}", np.ascontiguousarray(stored))
 
 

@@ -66,7 +66,7 @@ def reference_model(family: str, vocab: int, seed: int = 0, layers: int = 3, **o
     return model
 
 
-def _rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's converter's q/k row order for Llama-style rope (what specdec's loader undoes)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -133,7 +133,7 @@ def write_gguf(folder: Path, path: Path, add_tokenizer: Callable[[GGUFWriter], N
         else:
             for x, n in (("q", heads), ("k", kv_heads), ("v", None)):
                 w = sd[f"{p}self_attn.{x}_proj.weight"]
-                put(f"{b}attn_{x}.weight", _rope_permute(w, n) if arch == "llama" and n else w)
+                put(f"{b}attn_{x}.weight", rope_permute(w, n) if arch == "llama" and n else w)
         put(f"{b}attn_output.weight", sd[p + "self_attn.o_proj.weight"])
         if experts:  # the router, and each matrix of all experts as one [experts, rows, cols]
             moe, names = (p + "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}) if family == "mixtral" \
