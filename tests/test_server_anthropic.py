@@ -216,9 +216,9 @@ def test_what_claude_code_sends(client, live, monkeypatch):
     """Claude Code 2.1's requests: a system message among the turns, thinking "adaptive" (answered without
     thinking: the model decides, and this one never thinks in blocks), `output_config` with a JSON schema (its
     title request: the chat path's response_format), `context_management`, `max_tokens` 64000."""
-    import specdec.server.app as app_module
+    import specdec.server.request_params as params_module
 
-    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: None)
+    monkeypatch.setattr(params_module.Grammar, "from_response_format", lambda rf, *args: None)
     live.engine.say = '{"title": "Greeting"}'
     schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"],
               "additionalProperties": False}
@@ -285,9 +285,9 @@ def test_tool_use_streamed_as_input_json_delta(client, live):
 def test_tool_choice(client, live, monkeypatch, choice, expected):
     """any / tool become the chat path's required / named choice (a grammar the fake engine does not run; the
     real model's enforcement is in test_server_real); none keeps the tools in the prompt and parses nothing."""
-    import specdec.server.app as app_module
+    import specdec.server.request_params as params_module
 
-    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: None)
+    monkeypatch.setattr(params_module.Grammar, "from_response_format", lambda rf, *args: None)
     live.engine.say = CALL_TEXT
     m = client.messages.create(model="m", max_tokens=100, messages=PARIS, tools=[TOOL], tool_choice=choice)
     assert "get_weather" in live.engine.prompts[-1]

@@ -257,10 +257,10 @@ def test_a_conversation_continues_across_a_server_restart_and_on_another_server_
 
 
 def test_text_format_and_tool_choice_become_the_chat_paths(client, live, monkeypatch):
-    import specdec.server.app as app_module
+    import specdec.server.request_params as params_module
 
     compiled = []
-    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: compiled.append(rf))
+    monkeypatch.setattr(params_module.Grammar, "from_response_format", lambda rf, *args: compiled.append(rf))
     live.engine.say = '{"city": "Paris"}'
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     r = client.responses.create(model=MODEL, input=QUESTION, store=False,
@@ -339,9 +339,9 @@ def test_a_prompt_longer_than_the_context_is_context_length_exceeded(client, liv
 def test_json_schemas_strict_by_default_lenient_by_server_option(monkeypatch, lenient):
     """`--lenient-json-schemas` makes a schema without a word on strictness lenient; a request's own
     `strict` wins either way (the grammar's side is in test_structured)."""
-    import specdec.server.app as app_module
+    import specdec.server.request_params as params_module
 
-    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: None)
+    monkeypatch.setattr(params_module.Grammar, "from_response_format", lambda rf, *args: None)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     with LiveServer(SayEngine(), lenient_json_schemas=lenient) as server:
         for strict in (None, True, False):

@@ -276,10 +276,10 @@ def test_tool_choice(client, live, tool_choice, monkeypatch):
     """"none": the tools are in the prompt (as vLLM does) and nothing is parsed; "auto": parsed; "required" and
     a named function: parsed, and the engine gets a response format that makes the answer a call (the fake
     engine ignores it: the real model's enforcement is in test_server_real)."""
-    import specdec.server.app as app_module
+    import specdec.server.request_params as params_module
 
     compiled = []
-    monkeypatch.setattr(app_module.Grammar, "from_response_format", lambda rf, *args: compiled.append(rf))
+    monkeypatch.setattr(params_module.Grammar, "from_response_format", lambda rf, *args: compiled.append(rf))
     body = chat(client, live, REAL["weather"]["text"], tools=[WEATHER, MULTIPLY], tool_choice=tool_choice)
     assert "get_weather" in live.engine.prompts[-1]
     (choice,) = body["choices"]

@@ -12,8 +12,9 @@ context) -> check the context fits ->
 chunks of the text each step made decodable (`RequestOutput.new_text`, never the whole text re-decoded).
 A client that goes away aborts its request; every error is an OpenAI error object with its status. A request
 that finds the engine's queue full (`AsyncEngine(max_waiting_requests=N)`) is answered 503, code `queue_full`.
-Beside it: `prompts` (prompt ids, refusing certainly over-long text before tokenizing), `streams` (a request's
-way through the engine and back, cancellation), `limits` and `middleware` (what wraps every route).
+Beside it: `prompts` (prompt ids, refusing certainly over-long text before tokenizing), `request_params` (a
+request's SamplingParams, in named steps), `streams` (a request's way through the engine and back,
+cancellation), `limits` and `middleware` (what wraps every route).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.config import SamplingParams
-from specdec.engine.structured import Grammar
 from specdec.fan_out import sub_requests
 from specdec.server import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT_BODY
 from specdec.server import anthropic
@@ -43,6 +43,9 @@ from specdec.server.protocol import (
     validation_error,
 )
 from specdec.server.renderers import ChatRenderer, CompletionRenderer, Renderer
+from specdec.server.request_params import (
+    build_params, check_grammar, check_vocabulary, completion_limit, prompts_fit, request_fields,
+)
 from specdec.server.responses import ResponseStore, ResponsesRequest, ResponseTranslator
 from specdec.server.streams import ApiRequest, SSEResponse, Tracker, engine_took_request, with_cancellation
 
@@ -325,50 +328,17 @@ class _Server:
     async def _params(self, req, limit: int | None, prompt_ids: list[list[int]], prompt_param: str,
                       logprobs: int | None = None, prompt_logprobs: int | None = None,
                       response_format: dict | None = None) -> SamplingParams:
-        """SamplingParams, once every prompt and the requested completion are known to fit the context.
-        Without a limit the completion takes `default_max_tokens` or the rest of the context if less. A grammar
+        """SamplingParams, once every prompt and the requested completion are known to fit the context: the
+        steps of `request_params`, in this order (the order the errors come in). Without a limit the
+        completion takes the server's default or the rest of the context if less. A grammar
         (response_format) is compiled here, off the engine's thread, and refused here if it is invalid."""
         context = self.engine.max_model_len
-        for ids in prompt_ids:
-            prompt_len = len(ids)
-            if prompt_len >= context:  # (the completion needs one token)
-                raise ContextLengthError(context, prompt_len, prompt_param)
-            if limit is not None and prompt_len + limit > context:
-                raise ContextLengthError(context, prompt_len, prompt_param, completion_tokens=limit)
-        fields = req.sampling_fields(self.defaults)
-        if response_format is not None:
-            fields["response_format"] = response_format
-        if self.lenient_json_schemas and (fields["response_format"] or {}).get("type") == "json_schema":
-            spec = fields["response_format"]["json_schema"]
-            if isinstance(spec, dict) and "strict" not in spec:  # the server's default, unless the request says
-                fields["response_format"] = {**fields["response_format"], "json_schema": {**spec, "strict": False}}
-        vocab = self.engine.vocab_size
-        for name, ids in (("logit_bias", list(fields["logit_bias"])), ("stop_token_ids", fields["stop_token_ids"])):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} in {name} is outside the vocabulary [0, {vocab})", param=name,
-                               code="invalid_value")
-        try:
-            if limit is None and "max_new_tokens" in self.defaults:
-                limit = min(self.defaults["max_new_tokens"], context - max(len(ids) for ids in prompt_ids))
-            params = SamplingParams(
-                max_tokens=limit if limit is not None else
-                min(self.default_max_tokens, context - max(len(ids) for ids in prompt_ids)),
-                seed=req.seed,
-                stop=req.stop_sequences(),
-                ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                **fields,
-            )
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
-        if params.response_format is not None:
-            try:
-                await asyncio.to_thread(Grammar.from_response_format, params.response_format, self.engine.tokenizer,
-                                        self.engine.vocab_size)
-            except ValueError as e:
-                raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+        prompts_fit(prompt_ids, limit, context, prompt_param)
+        fields = request_fields(req, self.defaults, response_format, self.lenient_json_schemas)
+        check_vocabulary(fields, self.engine.vocab_size)
+        max_tokens = completion_limit(limit, prompt_ids, context, self.defaults, self.default_max_tokens)
+        params = build_params(req, fields, max_tokens, logprobs, prompt_logprobs)
+        await check_grammar(params, self.engine.tokenizer, self.engine.vocab_size)
         return params
 
     async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, prompt_param: str,
