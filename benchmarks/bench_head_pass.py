@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from specdec import LLM
 from specdec.heads.files import read_heads_config, resolve_heads
-from specdec.heads.modules import HEAD_CLASSES, _Head
+from specdec.heads.modules import _Head, head_class
 from specdec.speculative.tree import ancestor_mask
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -32,7 +32,7 @@ PROMPT = 64  # pairs of a prompt read at once
 
 def head_in(form: str, folder, target):
     config = read_heads_config(folder)
-    head = HEAD_CLASSES[config.method](config)
+    head = head_class(config.method)(config)
     head.load_state_dict(load_file(str(folder / "model.safetensors")))
     head = head.to(dtype=target.dtype).attach(target).requires_grad_(False).eval()
     if form == "q8_0":

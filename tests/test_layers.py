@@ -2,7 +2,8 @@
 (a lazy import is still a dependency), except under `if TYPE_CHECKING:` (no dependency at run time).
 
 A unit is a subpackage (`specdec.models`, `specdec.engine`, ...) or a module directly under `specdec`
-(`specdec.api`, ...). Bottom to top, roughly: config, sampling, kernels -> models (with their K/V cache) ->
+(`specdec.api`, ...). Bottom to top, roughly: the tables of decoder families and of speculative methods ->
+config, sampling, kernels -> models (with their K/V cache) ->
 heads -> speculative -> engine (the package of the engine's parts: scheduler, verification, output text, stops,
 prefix cache, memory plan) -> fan_out (n / best_of) -> api -> llm_args -> server, bench, training -> cli,
 deploy (Ray Serve's application); parallel (tensor parallelism) sits on models; testing (helpers of the tests
@@ -26,6 +27,9 @@ ABOVE_ENGINE = {"fan_out", "api", "server", "bench", "training", "cli", "llm_arg
 FORBIDDEN = {
     # the table of decoder families: under config, which reads it
     "architectures": {"config", "sampling", "kernels", "models", "heads", "speculative", "engine", *ABOVE_ENGINE},
+    # the table of speculative methods: under config, which reads it (what it names above it, it names by string)
+    "methods": {"architectures", "config", "sampling", "kernels", "models", "heads", "speculative", "engine",
+                "parallel", "deploy", *ABOVE_ENGINE},
     "config": {"sampling", "models", "heads", "speculative", "engine", *ABOVE_ENGINE},
     # the native libraries and their loading: under everything but config (SPECDEC_HOME)
     "kernels": {"sampling", "models", "heads", "speculative", "engine", "parallel", "deploy", *ABOVE_ENGINE},
@@ -41,7 +45,8 @@ FORBIDDEN = {
     **{unit: {"deploy"} for unit in ("server", "api", "cli", "bench", "llm_args")},
 }
 # the modules directly under specdec: the entry points and the few primitives under everything
-ROOT_MODULES = {"__init__", "__main__", "architectures", "config", "sampling", "fan_out", "api", "llm_args", "cli", "deploy"}
+ROOT_MODULES = {"__init__", "__main__", "architectures", "methods", "config", "sampling", "fan_out", "api", "llm_args",
+                "cli", "deploy"}
 
 
 def module_name(path: Path) -> str:

@@ -18,7 +18,7 @@ from specdec.config import SamplingParams
 from specdec.engine import Engine, prefix_cache
 from specdec.engine.memory import GiB, plan_memory
 from specdec.engine.prefix_cache import PrefixCache, block_keys
-from specdec.heads.modules import HEAD_CLASSES, HeadsConfig
+from specdec.heads.modules import HeadsConfig, head_class
 from specdec.models.kv_cache import KVCache, KVCacheFull
 from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
 from specdec.speculative.draft_model import DraftModelProposer
@@ -46,7 +46,7 @@ def random_head(method: str):
     seeded rejection sampling reads, change with any difference in what they were fed."""
     torch.manual_seed(3)
     model = target("fp32")
-    head = HEAD_CLASSES[method](HeadsConfig.for_target(method, model, "tiny", vocab_size=97, num_heads=3))
+    head = head_class(method)(HeadsConfig.for_target(method, model, "tiny", vocab_size=97, num_heads=3))
     for p in head.parameters():
         p.normal_(0.0, 0.3)
     return head.attach(model).eval()

@@ -30,6 +30,7 @@ from specdec.engine.disk_cache import NUMERICS_VERSION, DiskTier, file_digest, n
 from specdec.engine.memory import default_budget, device_memory, plan_memory
 from specdec.engine.outputs import RequestOutput
 from specdec.fan_out import pick_best, sub_requests
+from specdec.methods import METHODS, Suffix
 from specdec.models.kv_cache import KVCache
 from specdec.models.llama import Transformer
 from specdec.models.loading import load_checkpoint, load_quantized, resolve_dtype
@@ -110,7 +111,8 @@ def build_speculative_config(
     k_given = num_speculative_tokens is not None or "num_speculative_tokens" in d
     if num_speculative_tokens is not None:
         d["num_speculative_tokens"] = num_speculative_tokens
-    if d.get("method") == "suffix":  # as vLLM: K defaults to the trie's depth, a maximum (drafts are shorter)
+    record = METHODS.get(d["method"]) if isinstance(d.get("method"), str) else None
+    if record is not None and record.suffix is Suffix.ALONE:  # as vLLM: K is the trie's depth, a maximum
         d.setdefault("num_speculative_tokens",
                      d.get("suffix_decoding_max_tree_depth", SpeculativeConfig.suffix_decoding_max_tree_depth))
     d.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)

@@ -8,6 +8,7 @@ import sys
 import time
 
 from specdec.llm_args import add_llm_arguments, add_weight_arguments, build_llm
+from specdec.methods import METHODS
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     heads = sub.add_parser("train-heads", help="train Medusa or EAGLE draft heads for a target")
     heads.add_argument("model", help="target model: path or known name")
-    heads.add_argument("--method", required=True, choices=["medusa", "eagle"])
+    heads.add_argument("--method", required=True, choices=[m.name for m in METHODS.values() if m.training])
     heads.add_argument("--out", required=True, help="folder for the heads (resumes from its checkpoint)")
     heads.add_argument("--features", help="folder of cached target features (default OUT/features)")
     heads.add_argument("--corpus-tokens", type=int, default=24_000, help="standard-library tokens")

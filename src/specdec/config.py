@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.architectures import ARCHITECTURES, BY_MODEL_TYPE, Architecture, architecture
+from specdec.methods import METHODS, Method, Suffix, either, method as method_record
 
 # weight formats (see specdec.models.quant.resolve_quantization)
 
@@ -290,9 +291,6 @@ class SamplingParams:
         return bool(self.logit_bias or self.min_tokens or self.has_penalties)
 
 
-SPECULATIVE_METHODS = ("auto", "draft_model", "ngram", "suffix", "medusa", "eagle")
-
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """What proposes drafts and how many tokens a step may draft.
@@ -345,24 +343,25 @@ class SpeculativeConfig:
     suffix_decoding_share_unsalted: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}")
+        record = method_record(self.method)  # (refuses a method specdec does not know)
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
-        if self.method in ("draft_model", "medusa", "eagle") and not self.model:
+        if record.needs_model and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs a 'model'")
         if self.suffix is not None and not isinstance(self.suffix, bool):
             raise ValueError(f"suffix must be true or false, got {self.suffix!r}")
-        if self.method in ("suffix", "auto") or self.with_suffix:
+        if self.uses_suffix:
             self._check_suffix()
-        if self.method == "auto" and self.suffix is False:
-            raise ValueError('method "auto" drafts from the suffix tries: "suffix": false does not apply to it')
-        if self.with_suffix and self.method != "suffix" and self.tree is not None:
+        if record.suffix is Suffix.ALWAYS and self.suffix is False:
+            raise ValueError(f'method "{self.method}" drafts from the suffix tries: "suffix": false does not apply to it')
+        if self.with_suffix and self.tree is not None:
             raise ValueError(f'suffix drafts beside {self.method} need chains: drop "tree", or set "suffix": false')
-        if self.method == "ngram" and self.suffix:
-            raise ValueError('"suffix" does not apply to method "ngram" (use method "suffix" or "auto")')
-        if self.tree is not None and self.method not in ("medusa", "eagle", "suffix"):
-            raise ValueError(f"tree drafts need method medusa, eagle or suffix, not {self.method!r}")
+        if record.suffix is Suffix.NEVER and self.suffix:
+            with_tries = [m.name for m in METHODS.values() if m.always_suffix]
+            raise ValueError(f'"suffix" does not apply to method "{self.method}" (use method {either(with_tries, quote=True)})')
+        if self.tree is not None and not record.tree:
+            trees = [m.name for m in METHODS.values() if m.tree]
+            raise ValueError(f"tree drafts need method {either(trees)}, not {self.method!r}")
         if self.tree is not None and self.tree not in ("default", "dynamic") and not (
             isinstance(self.tree, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in self.tree)
         ):
@@ -373,19 +372,23 @@ class SpeculativeConfig:
             raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.draft_quantization!r}")
 
     @property
+    def record(self) -> Method:
+        """What this config's method is (`specdec.methods`): what its model names, its trees, its builder."""
+        return METHODS[self.method]
+
+    @property
     def with_suffix(self) -> bool:
         """Whether suffix drafts run beside another drafter (`AutoProposer`): "auto", and a draft model or
-        heads chain with `suffix` (by default a draft model)."""
-        if self.method == "auto":
-            return True
-        if self.method in ("draft_model", "medusa", "eagle"):
-            return self.suffix if self.suffix is not None else self.method == "draft_model"
-        return False
+        heads chain with `suffix` (by default a draft model: `Suffix.ON`)."""
+        where = self.record.suffix
+        if where in (Suffix.ON, Suffix.OFF):
+            return self.suffix if self.suffix is not None else where is Suffix.ON
+        return where is Suffix.ALWAYS
 
     @property
     def uses_suffix(self) -> bool:
         """Whether suffix drafts run at all: alone (method "suffix") or beside another drafter."""
-        return self.method == "suffix" or self.with_suffix
+        return self.record.suffix is Suffix.ALONE or self.with_suffix
 
     @property
     def max_tokens(self) -> int:
@@ -396,8 +399,8 @@ class SpeculativeConfig:
         return self.num_speculative_tokens
 
     def _check_suffix(self) -> None:
-        if self.method != "suffix" and self.tree is not None:
-            return  # (refused above)
+        if self.with_suffix and self.tree is not None:
+            return  # (refused in __post_init__)
         if self.tree not in (None, "dynamic"):
             raise ValueError('suffix decoding drafts chains, or trees with "tree": "dynamic" (the trie\'s own branches)')
         if self.suffix_decoding_max_tree_depth < 1:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from specdec.llm_args import add_llm_arguments, build_llm, pull_if_needed
+from specdec.methods import Model
 
 DATASET_PROMPTS = 10  # prompts taken from a shipped data set unless --num-prompts says otherwise
 
@@ -71,7 +72,7 @@ def run_bench(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     require_matplotlib()
     for method in methods:
-        if method.spec is not None and method.spec.method == "draft_model":
+        if method.spec is not None and method.spec.record.model is Model.DRAFT_MODEL:
             pull_if_needed(method.spec.model)
     llm = build_llm(args, args.model)
     engines = [llm.engine_for(m.spec) for m in methods]

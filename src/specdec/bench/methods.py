@@ -41,9 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.config import SpeculativeConfig
+from specdec.methods import METHODS, Model, Suffix
 
 DEFAULT_K = 3
 KINDS = ("plain", "ngram", "suffix", "draft", "medusa", "eagle", "auto")
+SPELLINGS = {"draft": "draft_model"}  # the bench's short names of speculative methods (the rest: the method's)
 SUFFIX_K = 24  # suffix decoding: vLLM's default K, the depth of its tries
 
 
@@ -68,7 +70,7 @@ class Method:
             d["tree"] = s.tree
         if s.suffix is not None:
             d["suffix"] = s.suffix
-        if (s.method == "suffix" or s.with_suffix) and s.suffix_decoding_max_cached_requests == 0:
+        if s.uses_suffix and s.suffix_decoding_max_cached_requests == 0:
             d["suffix_decoding_max_cached_requests"] = 0
         if s.suffix_decoding_share_unsalted:
             d["suffix_decoding_share_unsalted"] = True
@@ -84,9 +86,15 @@ def parse_method(text: str, target: str) -> Method:
     kind, *parts = text.strip().split(":")
     if kind not in KINDS:
         raise ValueError(f"unknown method {text!r}; methods: " + ", ".join(KINDS))
-    k, adaptive, tree, model, local = SUFFIX_K if kind == "suffix" else DEFAULT_K, False, None, None, False
+    if kind == "plain":
+        if parts:
+            raise ValueError(f"{text!r}: plain takes no options")
+        return Method("plain", None)
+    record = METHODS[SPELLINGS.get(kind, kind)]
+    alone = record.suffix is Suffix.ALONE  # (suffix decoding: its trees are the trie's own, "dynamic")
+    k, adaptive, tree, model, local = SUFFIX_K if alone else DEFAULT_K, False, None, None, False
     vocab = quant = None
-    with_suffix, shared, extra_tree = kind == "auto", False, False
+    with_suffix, shared, extra_tree = record.suffix is Suffix.ALWAYS, False, False
     for part in parts:
         if part.startswith("k="):
             if not part[2:].isdigit() or int(part[2:]) < 1:
@@ -94,37 +102,33 @@ def parse_method(text: str, target: str) -> Method:
             k = int(part[2:])
         elif part == "adaptive":
             adaptive = True
-        elif part == "tree" and kind == "auto":
+        elif part == "tree" and record.suffix is Suffix.ALWAYS:  # both drafters' drafts as one tree (`auto_tree`)
             extra_tree = True
         elif part in ("tree", "dynamic"):
-            tree = "default" if part == "tree" and kind != "suffix" else "dynamic"
-        elif part == "local" and kind in ("suffix", "auto"):
+            tree = "default" if part == "tree" and not alone else "dynamic"
+        elif part == "local" and record.always_suffix:
             local = True
-        elif part == "suffix" and kind == "draft":
+        elif part == "suffix" and record.suffix is Suffix.ON:
             with_suffix = True
-        elif part == "shared" and (kind in ("suffix", "auto") or with_suffix):
+        elif part == "shared" and (record.always_suffix or with_suffix):
             shared = True
-        elif part.startswith("vocab=") and kind == "draft":
+        elif part.startswith("vocab=") and record.model is Model.DRAFT_MODEL:
             if not part[6:].isdigit() or int(part[6:]) < 1:
                 raise ValueError(f"{text!r}: vocab must be a whole number >= 1")
             vocab = int(part[6:])
-        elif part.startswith("quant=") and kind in ("draft", "medusa", "eagle", "auto"):
+        elif part.startswith("quant=") and record.model is not Model.NONE:
             quant = part[6:]
         elif model is None and part:
             model = part
         else:
             raise ValueError(f"{text!r}: unknown option {part!r} (k=K, adaptive, tree, dynamic, local, shared, "
                              "vocab=N, quant=Q, suffix)")
-    if kind == "plain":
-        if parts:
-            raise ValueError(f"{text!r}: plain takes no options")
-        return Method("plain", None)
-    if kind == "draft" and model is None:
+    if record.model is Model.DRAFT_MODEL and model is None:
         raise ValueError(f"{text!r}: name the draft model, e.g. draft:qwen2.5-coder-0.5b-instruct")
-    if kind in ("ngram", "suffix") and model is not None:
+    if record.model is Model.NONE and model is not None:
         raise ValueError(f"{text!r}: {kind} takes no model")
     named = [model] if model is not None else []  # medusa, eagle, auto: shown only when not the default drafter
-    if kind in ("medusa", "eagle") and model is None:
+    if record.model is Model.HEADS and model is None:
         model = shipped_heads_name(target, kind)
     extra = {"suffix_decoding_max_cached_requests": 0} if local else {}
     if vocab is not None:
@@ -135,14 +139,15 @@ def parse_method(text: str, target: str) -> Method:
         extra["suffix_decoding_share_unsalted"] = True
     if extra_tree:
         extra["auto_tree"] = True
-    if kind == "draft":  # (alone unless `suffix`: the bench compares drafters one by one)
+    if record.suffix is Suffix.ON:  # (a draft model: alone unless `suffix`, the bench compares drafters one by one)
         extra["suffix"] = with_suffix
-    spec = SpeculativeConfig(method="draft_model" if kind == "draft" else kind, model=model,
+    spec = SpeculativeConfig(method=record.name, model=model,
                              num_speculative_tokens=k, adaptive=adaptive, tree=tree, **extra)
     options = [f"k={k}"] + (["adaptive"] if adaptive else []) + \
-        {None: [], "default": ["tree"], "dynamic": ["tree" if kind == "suffix" else "dynamic"]}[tree] + \
+        {None: [], "default": ["tree"], "dynamic": ["tree" if alone else "dynamic"]}[tree] + \
         (["local"] if local else []) + ([f"vocab={vocab}"] if vocab is not None else []) + \
-        ([f"quant={quant}"] if quant is not None else []) + (["suffix"] if with_suffix and kind == "draft" else []) + \
+        ([f"quant={quant}"] if quant is not None else []) + \
+        (["suffix"] if with_suffix and record.suffix is Suffix.ON else []) + \
         (["shared"] if shared else []) + (["tree"] if extra_tree else [])
     return Method(":".join([kind, *named, *options]), spec)
 
@@ -167,19 +172,16 @@ def default_methods(target: str) -> str:
     methods = ["plain", "ngram", "suffix", "auto"]
     if target == DEFAULT_TARGET:
         methods.append(f"draft:{DEFAULT_DRAFT}")
-    methods += [kind for kind in ("medusa", "eagle") if (PRETRAINED / shipped_heads_name(target, kind)).is_dir()]
+    heads = [m.name for m in METHODS.values() if m.model is Model.HEADS]
+    methods += [kind for kind in heads if (PRETRAINED / shipped_heads_name(target, kind)).is_dir()]
     return ",".join(methods)
 
 
-# the heads each method defaults to, best first (the EAGLE-3 head drafts more than the EAGLE-1 one at every K measured)
-HEADS_SUFFIXES = {"medusa": ("medusa",), "eagle": ("eagle3", "eagle")}
-
-
 def shipped_heads_name(target: str, kind: str) -> str:
-    """The shipped heads that `kind` (medusa, eagle) defaults to for `target`: the first of its
-    `HEADS_SUFFIXES` shipped, else the name the first would have. Example: the default target's eagle ->
+    """The shipped heads that `kind` (medusa, eagle) defaults to for `target`: the first of its record's
+    `shipped_suffixes` shipped, else the name the first would have. Example: the default target's eagle ->
     qwen2.5-coder-1.5b-instruct-eagle3."""
     from specdec.heads.files import PRETRAINED
 
-    names = [f"{Path(target).name.removesuffix('.gguf')}-{suffix}" for suffix in HEADS_SUFFIXES[kind]]
+    names = [f"{Path(target).name.removesuffix('.gguf')}-{suffix}" for suffix in METHODS[kind].shipped_suffixes]
     return next((name for name in names if (PRETRAINED / name).is_dir()), names[0])

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.data import DATA_DIR
-from specdec.heads.modules import HEAD_CLASSES, HEAD_FORMATS, HeadsConfig, HeadsMismatchError, _Head, target_fingerprint
+from specdec.heads.modules import HEAD_FORMATS, HeadsConfig, HeadsMismatchError, _Head, head_class, target_fingerprint
+from specdec.methods import HEAD_METHODS
 
 
 def save_heads(head: _Head, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -51,7 +52,7 @@ def resolve_heads(name_or_path: str) -> Path:
     )
 
 
-def shipped_heads(target, methods: tuple[str, ...] = ("medusa", "eagle")) -> Path | None:
+def shipped_heads(target, methods: tuple[str, ...] = HEAD_METHODS) -> Path | None:
     """The folder of heads shipped with specdec for `target` (its weights' fingerprint), of the first of
     `methods` that has some (Medusa first: it measured better on this project's CPUs); None: none."""
     if not PRETRAINED.is_dir():
@@ -95,7 +96,7 @@ def load_heads(directory: str | Path, target, method: str | None = None, quantiz
             f"the {config.method} heads in {directory} were trained for target {config.target!r} "
             f"(weights fingerprint {config.target_fingerprint}); this target's fingerprint is {fingerprint}"
         )
-    head = HEAD_CLASSES[config.method](config)
+    head = head_class(config.method)(config)
     state = load_file(str(Path(directory) / "model.safetensors"))
     head.load_state_dict(state)
     head = head.to(dtype=target.dtype).attach(target).requires_grad_(False).eval()

@@ -33,11 +33,11 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.kernels.qgemm import Q4_0, quantize_q4_0, quantize_q8_0
+from specdec.methods import HEAD_METHODS, METHODS, resolve
 from specdec.models.kv_cache import KVCache
 from specdec.models.llama import Attention, DecoderLayer, RMSNorm, attention_inputs, rope_inv_freq, rope_tables
 from specdec.models.qlinear import Q8_0, QuantLinear, kernel_blocks
 
-HEAD_METHODS = ("medusa", "eagle")
 # the heads' matrices on the block kernels (`to_block_kernels`): Q8_0 (the default), or Q4_0 (about half the
 # bytes a pass reads, the output rows too); drafts change with it, outputs never do
 HEAD_FORMATS = {"q8_0": (quantize_q8_0, Q8_0), "q4_0": (quantize_q4_0, Q4_0)}
@@ -68,8 +68,7 @@ class HeadsConfig:
     training: dict[str, Any] = field(default_factory=dict)  # the training report
 
     def __post_init__(self) -> None:
-        if self.method not in HEAD_METHODS:
-            raise ValueError(f"unknown head method {self.method!r}; choose one of {', '.join(HEAD_METHODS)}")
+        _check_head_method(self.method)
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))  # (JSON: a list)
 
     def layer_config(self) -> ModelConfig:
@@ -90,17 +89,20 @@ class HeadsConfig:
     def for_target(cls, method: str, target, target_name: str, vocab_size: int, **kw) -> "HeadsConfig":
         """Default head shapes for `target`: EAGLE attention like the target's, a narrow MLP."""
         c = target.config
-        if method == "eagle":
-            kw = {
-                "num_attention_heads": c.num_attention_heads,
-                "num_key_value_heads": c.num_key_value_heads,
-                "head_dim": c.head_dim,
-                "intermediate_size": max(64, c.hidden_size * 2 // 3),
-                "rms_norm_eps": c.rms_norm_eps,
-                "rope_theta": c.rope_theta,
-                **kw,
-            }
+        kw = {**head_class(method).default_shape(c), **kw}
         return cls(method, target_name, target_fingerprint(target), c.hidden_size, vocab_size, **kw)
+
+
+def _check_head_method(method: str) -> None:
+    if method not in HEAD_METHODS:
+        raise ValueError(f"unknown head method {method!r}; choose one of {', '.join(HEAD_METHODS)}")
+
+
+def head_class(method: str) -> type["_Head"]:
+    """The module of heads method `method` (medusa: `MedusaHeads`, eagle: `EagleHead`), as its record in
+    `specdec.methods` names it."""
+    _check_head_method(method)
+    return resolve(METHODS[method].heads_class)
 
 
 def target_fingerprint(target) -> str:
@@ -119,6 +121,13 @@ def target_fingerprint(target) -> str:
 
 class _Head(nn.Module):
     """What both kinds share: the reduced vocabulary and the target's rows for it."""
+
+    keeps_kv = False  # whether drafting keeps a K/V cache (EAGLE's layer; Medusa's blocks read one state)
+
+    @staticmethod
+    def default_shape(c: ModelConfig) -> dict[str, Any]:
+        """`HeadsConfig` fields these heads take from the target `c` by default (`HeadsConfig.for_target`)."""
+        return {}
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
@@ -194,6 +203,15 @@ class MedusaHeads(_Head):
 
 
 class EagleHead(_Head):
+    keeps_kv = True
+
+    @staticmethod
+    def default_shape(c: ModelConfig) -> dict[str, Any]:
+        """Attention like the target's, a narrow MLP."""
+        return {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim, "intermediate_size": max(64, c.hidden_size * 2 // 3),
+                "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta}
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__(config)
         H = config.hidden_size
@@ -356,9 +374,6 @@ def _block_linear(linears: list[nn.Linear], fmt: str) -> QuantLinear:
     biases = [m.bias for m in linears if m.bias is not None]
     bias = torch.cat([b.detach().float() for b in biases]) if biases else None
     return QuantLinear(parts, linears[0].in_features, bias)
-
-
-HEAD_CLASSES = {"medusa": MedusaHeads, "eagle": EagleHead}
 
 
 def head_bytes(head: nn.Module) -> int:

@@ -1,8 +1,13 @@
-"""Building a proposer from a `SpeculativeConfig`: the one place that maps methods to proposers."""
+"""Building a proposer from a `SpeculativeConfig`: each method's builder (named by its record in
+`specdec.methods`), and the drafters beside the suffix tries."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
 from specdec.config import SpeculativeConfig
+from specdec.methods import METHODS, Method, resolve
 from specdec.speculative.auto import AutoProposer
 from specdec.speculative.auto_heads import AutoHeadsProposer
 from specdec.speculative.auto_model import AutoModelProposer
@@ -24,30 +29,47 @@ def tree_of(spec: SpeculativeConfig) -> TreeShape | DynamicTree | None:
     return TreeShape.from_choices(spec.tree)
 
 
+@dataclass(frozen=True)
+class BuildInputs:
+    """What a method's builder gets beside the config: the target's vocabulary, the engine's limits, the weights
+    `load_drafters` loaded (a draft model, or heads) and the tokenizer's special tokens."""
+
+    vocab_size: int
+    max_num_seqs: int
+    max_model_len: int
+    draft_model: Any = None
+    heads: Any = None
+    special_ids: Any = ()
+
+
 def build_proposer(spec: SpeculativeConfig | None, *, vocab_size: int, max_num_seqs: int, max_model_len: int,
                    draft_model=None, heads=None, special_ids=()) -> Proposer:
     """The proposer `spec` asks for (the `NullProposer` for None or K = 0). `draft_model` (method
     "draft_model", or "auto" with a draft model) and `heads` (medusa, eagle, or "auto" with heads) are loaded
     by the caller; `vocab_size` is the target's; `special_ids` the tokenizer's special tokens (a draft
-    vocabulary keeps them). With suffix drafts beside a drafter (`spec.with_suffix`): an `AutoProposer` (the
-    trie alone), `AutoModelProposer` (beside a draft model) or `AutoHeadsProposer` (beside heads)."""
+    vocabulary keeps them). A method alone: its record's builder (`specdec.methods`). With suffix drafts beside
+    a drafter (`spec.with_suffix`): an `AutoProposer` (the trie alone), `AutoModelProposer` (beside a draft
+    model) or `AutoHeadsProposer` (beside heads), the second drafter built by its own method's builder."""
     if spec is None or spec.num_speculative_tokens == 0:
         return NullProposer()
-    if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-    if spec.method == "suffix":
-        return _suffix(spec)
+    inputs = BuildInputs(vocab_size, max_num_seqs, max_model_len, draft_model, heads, special_ids)
     if not spec.with_suffix:
-        return _single(spec, vocab_size, max_num_seqs, max_model_len, draft_model, heads, special_ids, spec.method)
+        return _build(spec.record, spec, inputs)
     k = spec.num_speculative_tokens
     if draft_model is not None:
-        model = _single(spec, vocab_size, max_num_seqs, max_model_len, draft_model, None, special_ids, "draft_model")
+        model = _build(METHODS["draft_model"], spec, replace(inputs, heads=None))
         return AutoModelProposer(_suffix(spec), model, k, spec.adaptive, "draft_model")
     if heads is not None:
-        method = heads.config.method
-        second = _single(spec, vocab_size, max_num_seqs, max_model_len, None, heads, special_ids, method)
-        return AutoHeadsProposer(_suffix(spec), second, k, method, tree=spec.auto_tree)
+        name = heads.config.method
+        second = _build(METHODS[name], spec, replace(inputs, draft_model=None))
+        return AutoHeadsProposer(_suffix(spec), second, k, name, tree=spec.auto_tree)
     return AutoProposer(_suffix(spec), NullProposer())
+
+
+def _build(record: Method, spec: SpeculativeConfig, inputs: BuildInputs) -> Proposer:
+    if record.builder is None:
+        raise ValueError(f"speculative method {record.name!r} drafts only beside the suffix tries")
+    return resolve(record.builder)(spec, inputs)
 
 
 def _suffix(spec: SpeculativeConfig) -> SuffixProposer:
@@ -58,15 +80,26 @@ def _suffix(spec: SpeculativeConfig) -> SuffixProposer:
                           tree=spec.tree == "dynamic")
 
 
-def _single(spec: SpeculativeConfig, vocab_size: int, max_num_seqs: int, max_model_len: int, draft_model, heads,
-            special_ids, method: str) -> Proposer:
-    """A draft model's or heads' proposer alone (`method`: draft_model, medusa or eagle)."""
-    k = spec.num_speculative_tokens
-    if method == "draft_model":
-        vocab = draft_vocabulary(spec.draft_vocab_size, draft_model.config.vocab_size, special_ids)
-        return DraftModelProposer(draft_model, max_num_seqs, max_model_len, vocab=vocab)
-    if method == "medusa":
-        return MedusaProposer(heads, vocab_size, tree_of(spec), max_depth=k)
-    if method == "eagle":
-        return EagleProposer(heads, vocab_size, max_num_seqs, max_model_len, tree_of(spec), max_depth=k)
-    raise ValueError(f"speculative method {method!r} is not available yet")
+# the methods' builders, named by their records (`Method.builder`): each takes the config and `BuildInputs`
+
+def build_ngram(spec: SpeculativeConfig, inputs: BuildInputs) -> Proposer:
+    return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+
+
+def build_suffix(spec: SpeculativeConfig, inputs: BuildInputs) -> Proposer:
+    return _suffix(spec)
+
+
+def build_draft_model(spec: SpeculativeConfig, inputs: BuildInputs) -> Proposer:
+    model = inputs.draft_model
+    vocab = draft_vocabulary(spec.draft_vocab_size, model.config.vocab_size, inputs.special_ids)
+    return DraftModelProposer(model, inputs.max_num_seqs, inputs.max_model_len, vocab=vocab)
+
+
+def build_medusa(spec: SpeculativeConfig, inputs: BuildInputs) -> Proposer:
+    return MedusaProposer(inputs.heads, inputs.vocab_size, tree_of(spec), max_depth=spec.num_speculative_tokens)
+
+
+def build_eagle(spec: SpeculativeConfig, inputs: BuildInputs) -> Proposer:
+    return EagleProposer(inputs.heads, inputs.vocab_size, inputs.max_num_seqs, inputs.max_model_len, tree_of(spec),
+                         max_depth=spec.num_speculative_tokens)

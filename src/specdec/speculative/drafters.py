@@ -1,6 +1,6 @@
 """What a speculative config drafts with, loaded: a draft model, the target's heads, or neither (n-grams and
-suffix drafts need no weights). The one place that maps a config's method to the weights it loads, as
-`build.py` maps it to a proposer; `LLM` asks, and never reads the method itself.
+suffix drafts need no weights). The one place that loads what a config's method's `model` names (its record in
+`specdec.methods`), as `build.py` builds its proposer; `LLM` asks, and never reads the method itself.
 
     drafters = load_drafters(spec, target, tokenizer, load_model, device=device, dtype=dtype)
     proposer = build_proposer(spec, ..., draft_model=drafters.draft_model, heads=drafters.heads)
@@ -16,6 +16,7 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.heads.files import is_heads_folder, load_heads, resolve_heads, shipped_heads
 from specdec.heads.modules import head_bytes
+from specdec.methods import Model
 from specdec.models.kv_cache import KVCache
 from specdec.models.loading import resolve_dtype
 from specdec.models.quant import resolve_quantization
@@ -47,7 +48,7 @@ class Drafters:
         """The K/V cache a drafted token adds: a draft model's layers, or an EAGLE head's one layer."""
         if self.draft_model is not None:
             return KVCache.bytes_per_token(self.draft_model.config, self.draft_model.dtype, self.draft_model.kv_format)
-        if self.heads is not None and self.heads.config.method == "eagle":  # (Medusa heads keep no K/V)
+        if self.heads is not None and self.heads.keeps_kv:  # (Medusa heads keep no K/V)
             return KVCache.bytes_per_token(self.heads.config.layer_config(), dtype)
         return 0
 
@@ -102,26 +103,28 @@ def load_drafters(spec: SpeculativeConfig | None, target, tokenizer, load_model:
 
 
 def load_target_heads(spec: SpeculativeConfig | None, target) -> torch.nn.Module | None:
-    """The heads `spec` drafts with: its method's, or for "auto" those it names, else those shipped for the
-    target (None where there are none: auto speculation is then suffix drafts alone)."""
-    if spec is None or spec.num_speculative_tokens == 0:
+    """The heads `spec` drafts with: its method's (`Model.HEADS`), or for one whose model may be either
+    (`Model.ANY`: "auto") those it names, else those shipped for the target (None where there are none: auto
+    speculation is then suffix drafts alone)."""
+    if spec is None or spec.num_speculative_tokens == 0 or not spec.record.takes_heads:
         return None
     fmt = spec.draft_quantization  # (the heads' matrices: `load_heads`)
-    if spec.method == "auto":
+    if spec.record.model is Model.ANY:
         if spec.model:
             if not is_heads_folder(spec.model):
                 return None  # (a draft model)
             return load_heads(resolve_heads(spec.model), target, quantization=fmt)
         folder = shipped_heads(target)
         return None if folder is None else load_heads(folder, target, quantization=fmt)
-    if spec.method not in ("medusa", "eagle"):
-        return None
     return load_heads(resolve_heads(spec.model), target, spec.method, fmt)
 
 
 def _draft_model_name(spec: SpeculativeConfig) -> str | None:
-    """The draft model `spec` names: method "draft_model", or "auto" with a model that is not a heads folder."""
-    if spec.method == "draft_model" or (spec.method == "auto" and spec.model and not is_heads_folder(spec.model)):
+    """The draft model `spec` names: its method's (`Model.DRAFT_MODEL`), or for one whose model may be either
+    ("auto") a model that is not a heads folder."""
+    record = spec.record
+    if record.model is Model.DRAFT_MODEL or (record.model is Model.ANY and spec.model
+                                             and not is_heads_folder(spec.model)):
         return spec.model
     return None
 

@@ -26,12 +26,13 @@ from tqdm import tqdm
 
 from specdec.data import DATA_DIR
 from specdec.heads.files import read_heads_config, save_heads
-from specdec.heads.modules import EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, target_fingerprint
+from specdec.heads.modules import EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, head_class, target_fingerprint
+from specdec.methods import METHODS, Recipe, either, resolve
 from specdec.training.features import (
     choose_vocab, collate, extract_features, greedy_answers, humaneval_tasks, load_windows, prompt_split,
     function_prompts, self_distilled, solution_windows, stdlib_windows, tokens_by_source,
 )
-from specdec.training.losses import eagle_losses, evaluate_chains, medusa_losses, ttt_losses
+from specdec.training.losses import evaluate_chains, ttt_losses
 
 HELD_OUT_TEXTS = ("solutions", "answers")  # TrainConfig.held_out_text
 
@@ -90,16 +91,34 @@ class TrainConfig:
     def features_dir(self) -> Path:
         return self.features or self.out / "features"
 
+    @property
+    def recipe(self) -> Recipe:
+        """How the heads of `method` train (`specdec.methods`)."""
+        recipe = METHODS[self.method].training if self.method in METHODS else None
+        if recipe is None:
+            trained = [m.name for m in METHODS.values() if m.training]
+            raise ValueError(f"train-heads trains {', '.join(trained)} heads, not {self.method!r}")
+        return recipe
+
+    @property
+    def eagle3(self) -> bool:
+        """EAGLE-3 style: feature layers given to a method that fuses them (then training-time test)."""
+        return bool(self.recipe.feature_layers and self.feature_layers)
+
 
 def train_heads(target, tokenizer, target_name: str, cfg: TrainConfig) -> dict:
     """Extract features (cached), train (resuming from the checkpoint), save the heads and report.json to
     cfg.out; return the report."""
+    recipe = cfg.recipe  # (refuses a method train-heads does not train)
     if not 0 <= cfg.soft_labels <= 1:
         raise ValueError(f"soft_labels is a share of the loss, 0-1, not {cfg.soft_labels}")
-    if cfg.soft_labels and not (cfg.method == "eagle" and cfg.feature_layers):
+    if cfg.soft_labels and not cfg.eagle3:
         raise ValueError("soft_labels apply to EAGLE-3 heads (--method eagle with --feature-layers)")
-    if cfg.intermediate_size and cfg.method != "eagle":
+    if cfg.intermediate_size and not recipe.mlp:
         raise ValueError("intermediate_size is the EAGLE head's MLP; Medusa heads have none")
+    if cfg.init_from and not recipe.feature_layers:
+        fusing = [m.name for m in METHODS.values() if m.training and m.training.feature_layers]
+        raise ValueError(f"init_from starts heads that fuse feature layers (--method {either(fusing)})")
     if not 0 <= cfg.held_out_tasks <= 100:
         raise ValueError(f"held_out_tasks must be 0-100 (HumanEval's eval split), not {cfg.held_out_tasks}")
     if cfg.held_out_text not in HELD_OUT_TEXTS:
@@ -217,7 +236,7 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_
     order = list(range(len(windows)))
     random.Random(cfg.seed).shuffle(order)
     n_eval = 0 if held_out else max(1, int(len(windows) * cfg.held_out))
-    start = _eagle_start(cfg.init_from, target, cfg.feature_layers) if cfg.init_from else None
+    start = _eagle_start(cfg.init_from, target, cfg.feature_layers, cfg.method) if cfg.init_from else None
     vocab_ids = start.vocab_ids if start is not None else \
         choose_vocab([shards[i] for i in order[n_eval:]], cfg.vocab_size, target.config.vocab_size)
     width = cfg.intermediate_size or (start.config.intermediate_size if start is not None else 0)
@@ -232,19 +251,21 @@ def _setup(target, target_name: str, cfg: TrainConfig, shards: list[Path], held_
     return _Run(head=head, params=params, optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0),
                 train_windows=[windows[i] for i in order[n_eval:]], eval_windows=eval_windows,
                 to_reduced=to_reduced, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * cfg.epochs,
-                ttt_steps=cfg.ttt_steps if cfg.method == "eagle" and cfg.feature_layers else 0)
+                ttt_steps=cfg.ttt_steps if cfg.eagle3 else 0)
 
 
-def _eagle_start(folder: Path, target, feature_layers: tuple[int, ...] = ()) -> EagleHead:
+def _eagle_start(folder: Path, target, feature_layers: tuple[int, ...] = (), method: str | None = None) -> EagleHead:
     """The trained EAGLE head in `folder` as saved (float32, not attached), for `EagleHead.init_from_eagle`:
-    an EAGLE-1 head, or an EAGLE-3 head over `feature_layers`."""
+    an EAGLE-1 head, or an EAGLE-3 head over `feature_layers`: heads of a method that fuses feature layers
+    (`Recipe.feature_layers`), `method` where given (the one trained)."""
     config = read_heads_config(folder)
-    if config.method != "eagle" or config.feature_layers not in ((), tuple(feature_layers)):
+    fuses = METHODS[config.method].training.feature_layers
+    if not fuses or method not in (None, config.method) or config.feature_layers not in ((), tuple(feature_layers)):
         raise ValueError(f"{folder} holds no EAGLE-1 head, nor an EAGLE-3 head over layers "
                          f"{', '.join(map(str, feature_layers))}, to start from")
     if config.target_fingerprint != target_fingerprint(target):
         raise HeadsMismatchError(f"the heads in {folder} were trained for another target ({config.target!r})")
-    head = EagleHead(config)
+    head = head_class(config.method)(config)
     head.load_state_dict(load_file(str(Path(folder) / "model.safetensors")))
     return head.float()
 
@@ -254,14 +275,14 @@ def _trainable_heads(target, target_name: str, cfg: TrainConfig, vocab_ids: torc
     """New heads for `target` over `vocab_ids`, in float32 on the CPU, reading the target's output rows and
     (EAGLE) embeddings as normal tensors (the target may run in inference mode). An EAGLE head's MLP has
     `intermediate_size` units (0: the default shape's)."""
-    if cfg.method == "medusa":
-        extra = {"num_heads": cfg.num_heads}
-    else:
-        extra = {"feature_layers": cfg.feature_layers}
-        if intermediate_size:
-            extra["intermediate_size"] = intermediate_size
+    recipe = cfg.recipe
+    extra = {"num_heads": cfg.num_heads} if recipe.num_heads else {}
+    if recipe.feature_layers:
+        extra["feature_layers"] = cfg.feature_layers
+    if recipe.mlp and intermediate_size:
+        extra["intermediate_size"] = intermediate_size
     config = HeadsConfig.for_target(cfg.method, target, target_name, len(vocab_ids), **extra)
-    head = (MedusaHeads if cfg.method == "medusa" else EagleHead)(config)
+    head = head_class(cfg.method)(config)
     head.vocab_ids = vocab_ids.clone()
     head.float().attach(target)
     head.lm_rows = head.lm_rows.float().clone()
@@ -284,12 +305,12 @@ def _resume(run: _Run, checkpoint: Path) -> None:
 def _loop(run: _Run, cfg: TrainConfig) -> None:
     """Train to run.total_steps: batches of each epoch in a seeded order, `cosine_lr`, gradients clipped to
     norm 1; a checkpoint every cfg.checkpoint_every steps and at the end."""
-    if cfg.method == "medusa":
-        losses_fn = medusa_losses
-    elif run.ttt_steps:
+    if run.ttt_steps:  # (EAGLE-3 style)
         losses_fn = partial(ttt_losses, steps=run.ttt_steps, soft=cfg.soft_labels)
+    elif cfg.recipe.cls_weight:
+        losses_fn = partial(resolve(cfg.recipe.losses), cls_weight=cfg.eagle_cls_weight)
     else:
-        losses_fn = partial(eagle_losses, cls_weight=cfg.eagle_cls_weight)
+        losses_fn = resolve(cfg.recipe.losses)
     warmup = min(20, run.total_steps // 10)
     bar = tqdm(total=run.total_steps, initial=run.step, desc=f"train {cfg.method}", unit="step")
     while run.step < run.total_steps:
@@ -358,7 +379,7 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "steps": run.total_steps,
         "epochs": cfg.epochs,
         "lr": cfg.lr,
-        **({"cls_weight": cfg.eagle_cls_weight} if cfg.method == "eagle" and not run.ttt_steps else {}),
+        **({"cls_weight": cfg.eagle_cls_weight} if cfg.recipe.cls_weight and not run.ttt_steps else {}),
         **({"feature_layers": list(cfg.feature_layers), "ttt_steps": run.ttt_steps, "soft_labels": cfg.soft_labels}
            if run.ttt_steps else {}),
         "batch_size": cfg.batch_size,
@@ -368,7 +389,7 @@ def _report(run: _Run, cfg: TrainConfig, target_name: str, shards: list[Path], e
         "final_loss": _mean(run.losses[-20:]),
         "parameters": sum(p.numel() for p in run.params),
         "held_out_top1_before": before,
-        ("held_out_top1_per_head" if cfg.method == "medusa" else "held_out_top1_per_depth"): accuracy,
+        cfg.recipe.report_key: accuracy,
         **({"held_out_chain_tokens_per_pass_estimate": final["chain_tokens_per_pass_estimate"],
             "held_out_chain_tokens_per_pass_walk": final["chain_tokens_per_pass_walk"],
             "curve": [*run.curve, final]} if run.ttt_steps else {}),
