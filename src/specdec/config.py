@@ -353,12 +353,13 @@ class SpeculativeConfig:
         if self.uses_suffix:
             self._check_suffix()
         if record.suffix is Suffix.ALWAYS and self.suffix is False:
-            raise ValueError(f'method "{self.method}" drafts from the suffix tries: "suffix": false does not apply to it')
+            raise ValueError(f'method "{self.method}" drafts from the suffix tries: "suffix": false does not apply '
+                             'to it')
         if self.with_suffix and self.tree is not None:
             raise ValueError(f'suffix drafts beside {self.method} need chains: drop "tree", or set "suffix": false')
         if record.suffix is Suffix.NEVER and self.suffix:
-            with_tries = [m.name for m in METHODS.values() if m.always_suffix]
-            raise ValueError(f'"suffix" does not apply to method "{self.method}" (use method {either(with_tries, quote=True)})')
+            tries = either([m.name for m in METHODS.values() if m.always_suffix], quote=True)
+            raise ValueError(f'"suffix" does not apply to method "{self.method}" (use method {tries})')
         if self.tree is not None and not record.tree:
             trees = [m.name for m in METHODS.values() if m.tree]
             raise ValueError(f"tree drafts need method {either(trees)}, not {self.method!r}")

@@ -37,7 +37,8 @@ class Suffix(enum.Enum):
     ALONE = "alone"  # the method is the suffix tries themselves
     ON = "on"  # beside its drafter unless `"suffix": false`
     OFF = "off"  # beside its drafter with `"suffix": true`
-    ALWAYS = "always"  # always beside its second drafter, per sequence and step, whichever pays (`"suffix": false` refused)
+    # always beside its second drafter, per sequence and step whichever pays (`"suffix": false` refused)
+    ALWAYS = "always"
 
 
 @dataclass(frozen=True)

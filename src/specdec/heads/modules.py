@@ -99,7 +99,7 @@ def _check_head_method(method: str) -> None:
 
 
 def head_class(method: str) -> type["_Head"]:
-    """The module of heads method `method` (medusa: `MedusaHeads`, eagle: `EagleHead`), as its record in
+    """The class of heads method `method` (medusa: `MedusaHeads`, eagle: `EagleHead`), as its record in
     `specdec.methods` names it."""
     _check_head_method(method)
     return resolve(METHODS[method].heads_class)

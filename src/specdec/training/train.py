@@ -26,7 +26,9 @@ from tqdm import tqdm
 
 from specdec.data import DATA_DIR
 from specdec.heads.files import read_heads_config, save_heads
-from specdec.heads.modules import EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, head_class, target_fingerprint
+from specdec.heads.modules import (
+    EagleHead, HeadsConfig, HeadsMismatchError, MedusaHeads, head_class, target_fingerprint,
+)
 from specdec.methods import METHODS, Recipe, either, resolve
 from specdec.training.features import (
     choose_vocab, collate, extract_features, greedy_answers, humaneval_tasks, load_windows, prompt_split,
