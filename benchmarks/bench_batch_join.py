@@ -33,9 +33,9 @@ def run(method: str, way: str, prompts: list[str], args) -> dict:
     llm = LLM(TARGET, max_num_seqs=args.batch, max_model_len=4096, **spec)
     engine = llm.engine
     if way == "ride always":
-        engine._ride_pays = lambda tokens: True
+        engine.planner.ride_pays = lambda tokens: True
     rode, own, steps = [0], [0], [0]
-    ride, step = engine._rode, engine.step
+    ride, step = engine.planner.rode, engine.step
 
     def counted_ride(riding):
         rode[0] += len(riding.rows.tokens)
@@ -43,11 +43,11 @@ def run(method: str, way: str, prompts: list[str], args) -> dict:
 
     def counted_step():
         out = step()
-        own[0] += engine._fed[0]
+        own[0] += engine.plan.fed.tokens
         steps[0] += 1
         return out
 
-    engine._rode, engine.step = counted_ride, counted_step
+    engine.planner.rode, engine.step = counted_ride, counted_step
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
     seconds = time.perf_counter() - t0

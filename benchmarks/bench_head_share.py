@@ -66,7 +66,8 @@ def engine(llm: LLM, method: Method, modules, proposers) -> Engine:
         proposer = proposers.MedusaProposer(heads, vocab, tree, max_depth=k)
     else:
         proposer = proposers.EagleProposer(heads, vocab, 1, MAX_MODEL_LEN, tree, max_depth=k)
-    return Engine(llm.target, llm.tokenizer, proposer, k, max_model_len=MAX_MODEL_LEN, adaptive=False)
+    return Engine(llm.target, llm.tokenizer, proposer, num_speculative_tokens=k, max_model_len=MAX_MODEL_LEN,
+                  adaptive=False)
 
 
 def main() -> None:

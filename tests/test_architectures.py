@@ -88,7 +88,8 @@ def test_greedy_output_matches_transformers(family):
             out = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
                                      eos_token_id=None, pad_token_id=0)
         expected = out[0, len(ids):].tolist()
-        got = run(Engine(model, tokenizer, None, 0, max_model_len=MAX_LEN), ids, params).token_ids
+        got = run(Engine(model, tokenizer, None, num_speculative_tokens=0,
+                         max_model_len=MAX_LEN), ids, params).token_ids
         assert got == expected, name
 
 
@@ -119,7 +120,8 @@ def blocks(family):
     config, model, tokenizer = load_quantized(folder / "q8.gguf", "gguf", torch.float32)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [prompt_ids(seed, 20 + 8 * seed) for seed in range(3)]
-    plain = [run(Engine(model, tokenizer, None, 0, max_model_len=MAX_LEN), ids, params).token_ids for ids in prompts]
+    plain = [run(Engine(model, tokenizer, None, num_speculative_tokens=0,
+                        max_model_len=MAX_LEN), ids, params).token_ids for ids in prompts]
     return model, tokenizer, prompts, plain, params
 
 
@@ -175,17 +177,20 @@ def test_speculative_greedy_equals_plain_on_the_block_kernels(blocks, k):
     rejected) give plain decoding's tokens."""
     model, tokenizer, prompts, plain, params = blocks
     for ids, expected in zip(prompts, plain):
-        engine = Engine(model, tokenizer, DraftModelProposer(model, 1, MAX_LEN), k, max_model_len=MAX_LEN)
+        engine = Engine(model, tokenizer, DraftModelProposer(model, 1, MAX_LEN), num_speculative_tokens=k,
+                        max_model_len=MAX_LEN)
         out = run(engine, ids, params)
         assert out.token_ids == expected and out.metrics.num_drafts > 0
-        assert run(Engine(model, tokenizer, NgramProposer(), k, max_model_len=MAX_LEN), ids, params).token_ids == expected
+        assert run(Engine(model, tokenizer, NgramProposer(), num_speculative_tokens=k,
+                          max_model_len=MAX_LEN), ids, params).token_ids == expected
 
 
 def test_a_batch_and_prefix_hits_give_plain_tokens(blocks):
     """Three requests decoded together (one pass reads all their rows), then again with their prompts'
     blocks in the prefix cache, each speculating K=4: each gets its plain tokens."""
     model, tokenizer, prompts, plain, params = blocks
-    engine = Engine(model, tokenizer, DraftModelProposer(model, 3, MAX_LEN), 4, max_model_len=MAX_LEN,
+    engine = Engine(model, tokenizer, DraftModelProposer(model, 3, MAX_LEN), num_speculative_tokens=4,
+                    max_model_len=MAX_LEN,
                     max_batch_size=3, prefix_cache_blocks=64, prefix_block_size=16)
     for attempt in range(2):
         for i, ids in enumerate(prompts):

@@ -43,7 +43,8 @@ def auto_engine(second: str | None = None, k: int = 3, adaptive: bool = True, ba
         window = MAX_LEN if second == "self" else 16
         drafter = DraftModelProposer(draft("fp32", second), batch, MAX_LEN, window=window)
         proposer = AutoModelProposer(suffix, drafter, k, adaptive, "draft_model")
-    engine = Engine(target("fp32"), FakeTokenizer(), proposer, DEPTH, max_model_len=MAX_LEN, max_batch_size=batch,
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=DEPTH, max_model_len=MAX_LEN,
+                    max_batch_size=batch,
                     **engine_kw)
     engine.controller.costs = costs or SpeculationPays()  # choices that do not depend on this machine's speed
     return engine
@@ -232,7 +233,8 @@ def medusa_engine(medusa, batch: int = 1, share: bool = True, tree: bool = False
     model, folder = medusa
     heads = MedusaProposer(load_heads(folder, model, "medusa"), model.config.vocab_size, max_depth=3)
     proposer = auto(SuffixProposer(SuffixCache(DEPTH, 100, share_unsalted=share)), heads, 3, "medusa", tree=tree)
-    engine = Engine(model, FakeTokenizer(), proposer, DEPTH, max_model_len=256, max_batch_size=batch)
+    engine = Engine(model, FakeTokenizer(), proposer, num_speculative_tokens=DEPTH, max_model_len=256,
+                    max_batch_size=batch)
     engine.controller.costs = SpeculationPays()
     return engine
 

@@ -510,9 +510,11 @@ def test_adaptive_engine_stops_drafting_with_a_degraded_draft(dtype):
     plain = generate(Engine(target, FakeTokenizer(), max_model_len=256), prompt, params)
 
     degraded = PermutedLogitsModel(target, seed=1)
-    fixed = generate(Engine(target, FakeTokenizer(), DraftModelProposer(degraded, 1, 256), 4, adaptive=False,
+    fixed = generate(Engine(target, FakeTokenizer(), DraftModelProposer(degraded, 1, 256), num_speculative_tokens=4,
+                            adaptive=False,
                             max_model_len=256), prompt, params)
-    adaptive = generate(Engine(target, FakeTokenizer(), DraftModelProposer(degraded, 1, 256), 4, adaptive=True,
+    adaptive = generate(Engine(target, FakeTokenizer(), DraftModelProposer(degraded, 1, 256), num_speculative_tokens=4,
+                               adaptive=True,
                                max_model_len=256), prompt, params)
     assert fixed.token_ids == plain.token_ids
     assert adaptive.token_ids == plain.token_ids

@@ -179,7 +179,8 @@ def test_eos_inside_an_accepted_draft_ends_the_output_there(continuation, eos_at
     the EOS id: the output is continuation[:eos_at + 1], nothing after the EOS is emitted."""
     eos = continuation[eos_at]
     proposer = oracle(continuation)
-    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), proposer, 5, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), proposer, num_speculative_tokens=5,
+                    max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30))
     assert out.token_ids == continuation[: eos_at + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", eos)
@@ -188,7 +189,8 @@ def test_eos_inside_an_accepted_draft_ends_the_output_there(continuation, eos_at
     assert out.metrics.target_passes == 1 and out.metrics.num_accepted_tokens == 5
     assert_metrics_consistent(out)
     # with ignore_eos the same pass keeps going
-    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation), 5, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation),
+                    num_speculative_tokens=5, max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert out.token_ids == continuation[:30] and out.finish_reason == "length"
 
@@ -197,7 +199,8 @@ def test_eos_inside_an_accepted_draft_ends_the_output_there(continuation, eos_at
 def test_eos_as_the_recovered_token(continuation, eos_at):
     """The draft is wrong at position eos_at; the target's own token there (the recovered token) is EOS."""
     eos = continuation[eos_at]
-    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation, wrong_at=eos_at), 5,
+    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation, wrong_at=eos_at),
+                    num_speculative_tokens=5,
                     max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30))
     assert out.token_ids == continuation[: eos_at + 1] and out.stop_reason == eos
@@ -210,7 +213,7 @@ def test_max_tokens_is_never_exceeded(continuation, k, max_tokens):
     """Every drafted token is accepted, so each pass could emit k + 1 tokens; the output stops at exactly
     max_tokens, and no pass is asked to draft beyond it."""
     proposer = oracle(continuation)
-    engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens))
     assert out.token_ids == continuation[:max_tokens]
     assert out.finish_reason == "length" and out.stop_reason is None
@@ -230,7 +233,7 @@ def test_stop_string_inside_an_accepted_draft_truncates_there(continuation, star
     stop = text[start:start + 2]
     assert text.find(stop) == start
     proposer = oracle(continuation)
-    engine = Engine(target("fp32"), FakeTokenizer(), proposer, 5, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=5, max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=("zzzz", stop)))
     assert out.text == text[:start]
     assert out.token_ids == continuation[: start + 2]
@@ -244,7 +247,8 @@ def test_stop_string_across_steps(continuation):
     text = "".join(letter(t) for t in continuation)
     stop = text[4:8]  # the first pass (K = 5) emits tokens 0..5, the second completes the string at 7
     assert text.find(stop) == 4
-    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), 5, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), num_speculative_tokens=5,
+                    max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=stop))
     assert out.text == text[:4] and out.token_ids == continuation[:8]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
@@ -256,7 +260,8 @@ def test_of_several_stop_strings_the_first_completed_wins(continuation, order):
     order in the request."""
     text = "".join(letter(t) for t in continuation)
     first, second = text[1:3], text[3:5]
-    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), 5, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), num_speculative_tokens=5,
+                    max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=(second, first)[::order]))
     assert (out.text, out.stop_reason, out.token_ids) == (text[:1], first, continuation[:3])
 
@@ -295,7 +300,7 @@ def test_a_draft_with_a_vocabulary_keeps_greedy_output_exact(dtype_name, k):
     for prompt in PROMPTS:
         vocab = draft_vocabulary(40, 97, [])
         engine = Engine(target(dtype_name), FakeTokenizer(), DraftModelProposer(draft(dtype_name, "noisy copy"), 1, MAX_LEN,
-                        vocab=vocab), k, max_model_len=MAX_LEN)
+                        vocab=vocab), num_speculative_tokens=k, max_model_len=MAX_LEN)
         out = generate(engine, prompt, GREEDY)
         assert tuple(out.token_ids) == plain(dtype_name, prompt), f"prompt {prompt}"
         accepted += out.metrics.num_accepted_tokens
@@ -309,7 +314,8 @@ def test_a_draft_with_a_vocabulary_keeps_greedy_output_exact(dtype_name, k):
 def test_greedy_speculative_equals_plain(dtype_name, kind, k, adaptive):
     totals = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
     for prompt in PROMPTS:
-        engine = Engine(target(dtype_name), FakeTokenizer(), make_proposer(dtype_name, kind), k, adaptive,
+        engine = Engine(target(dtype_name), FakeTokenizer(), make_proposer(dtype_name, kind), num_speculative_tokens=k,
+                        adaptive=adaptive,
                         max_model_len=MAX_LEN)
         if adaptive:  # costs where drafting pays: the controller's choices (and this test's counts) do not
             engine.controller.costs = SpeculationPays()  # depend on how fast this machine runs a tiny model
@@ -335,7 +341,8 @@ def test_stock_tiny_model_greedy_equivalence():
     ref = generate(Engine(tgt, FakeTokenizer(), max_model_len=MAX_LEN), prompt, GREEDY).token_ids
     for proposer, k in ((DraftModelProposer(drf, 1, MAX_LEN), 4), (DraftModelProposer(tgt, 1, MAX_LEN), 5),
                         (NgramProposer(), 3)):
-        out = generate(Engine(tgt, FakeTokenizer(), proposer, k, max_model_len=MAX_LEN), prompt, GREEDY)
+        out = generate(Engine(tgt, FakeTokenizer(), proposer, num_speculative_tokens=k,
+                              max_model_len=MAX_LEN), prompt, GREEDY)
         assert out.token_ids == ref
 
 
@@ -361,7 +368,8 @@ def test_batched_outputs_equal_unbatched(dtype_name, kind, k, adaptive):
     (waiting when the batch is full) and leave as they finish (rows are repacked): every output is its own
     unbatched plain greedy output."""
     proposer = None if kind == "plain" else make_proposer(dtype_name, kind, max_batch_size=3)
-    engine = Engine(target(dtype_name), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN, max_batch_size=3)
+    engine = Engine(target(dtype_name), FakeTokenizer(), proposer, num_speculative_tokens=k, adaptive=adaptive,
+                    max_model_len=MAX_LEN, max_batch_size=3)
     requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                 for rid, prompt, n, _ in BATCH_REQUESTS]
     finals = run(engine, requests, join_at=[at for *_, at in BATCH_REQUESTS])
@@ -380,7 +388,7 @@ def test_adaptive_batch_under_shifting_costs_stays_exact(seed):
     restart on a 4-token window; every output is still its own plain greedy output."""
     rnd = random.Random(seed)
     engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(draft("fp32", "noisy copy"), 8, MAX_LEN,
-                    window=4), 4, adaptive=True, max_model_len=MAX_LEN, max_batch_size=8,
+                    window=4), num_speculative_tokens=4, adaptive=True, max_model_len=MAX_LEN, max_batch_size=8,
                     prefill_chunk=rnd.choice([3, 8, 64]))
     engine.controller.policy.probe_interval = engine.controller.policy.probe_every = 2
     engine.controller.costs = SetCosts()  # costs come from `perturb` alone: the run is deterministic
@@ -414,7 +422,8 @@ def test_batch_with_a_sequence_at_the_end_of_the_context(kind):
         proposer = ScriptedProposer(lambda seq: [] if seq.request_id == "0" else [1, 2, 3, 4, 5])
     else:
         proposer = NgramProposer() if kind == "ngram" else DraftModelProposer(draft("fp32", kind), 2, L)
-    engine = Engine(target("fp32"), FakeTokenizer(), proposer, 5, max_model_len=L, max_batch_size=2)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=5, max_model_len=L,
+                    max_batch_size=2)
     finals = run(engine, [(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                           for rid, p, n in requests])
     for rid, prompt, n in requests:
@@ -423,7 +432,8 @@ def test_batch_with_a_sequence_at_the_end_of_the_context(kind):
 
 
 def test_abort_leaves_the_others_exact():
-    engine = Engine(target("bf16"), FakeTokenizer(), make_proposer("bf16", "noisy copy", 3), 3, max_model_len=MAX_LEN,
+    engine = Engine(target("bf16"), FakeTokenizer(), make_proposer("bf16", "noisy copy", 3), num_speculative_tokens=3,
+                    max_model_len=MAX_LEN,
                     max_batch_size=3)
     for rid, prompt in zip("xyz", PROMPTS):
         engine.add_request(rid, list(prompt), GREEDY)
@@ -485,7 +495,7 @@ def inject(engine: Engine, fault: str, monkeypatch, bad: str = "bad", at: int = 
                     fail_at_call()
                 return model(tokens, positions, cache, **kw)
 
-        engine.target = FailingPrefill()
+        engine.target = engine.planner.target = FailingPrefill()  # (the planner feeds prompts with it)
     elif fault == "reading":
         read = engine.prefill.read
 
@@ -535,7 +545,8 @@ def test_a_fault_in_one_sequence_ends_it_alone(fault, kind, monkeypatch):
     "prefilling" feeds prompts in chunks of their own; the others let them ride in the running
     sequences' pass (the default)."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=3)
-    engine = Engine(target("fp32"), FakeTokenizer(), proposer, 4, max_model_len=MAX_LEN, max_batch_size=3,
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=4, max_model_len=MAX_LEN,
+                    max_batch_size=3,
                     prefill_chunk=3, prefill_itl_factor=None if fault == "prefilling" else 2.0)
     inject(engine, fault, monkeypatch)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
@@ -557,7 +568,7 @@ def test_a_fault_in_one_sequence_ends_it_alone(fault, kind, monkeypatch):
 def test_async_engine_serves_on_after_one_request_fails(monkeypatch):
     """Through the async engine: the failing request's stream raises RequestFailedError (naming it, not the
     exception), the others complete exactly, and a request added afterwards is served exactly too."""
-    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", 2), 3,
+    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", 2), num_speculative_tokens=3,
                     max_model_len=MAX_LEN, max_batch_size=2)
     inject(engine, "judging", monkeypatch, at=3)
     async_engine = AsyncEngine(engine)
@@ -604,7 +615,8 @@ def test_chunked_prefill_keeps_the_batch_decoding_and_outputs_exact(itl_factor, 
     prefilled moves the prefilled rows along. Every output is still its own unbatched plain greedy output.
     Prompts are fed in chunks of their own, or ride in the running sequences' pass while some run."""
     proposer = None if kind == "plain" else make_proposer(dtype_name, kind, max_batch_size=3)
-    engine = Engine(target(dtype_name), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN,
+    engine = Engine(target(dtype_name), FakeTokenizer(), proposer, num_speculative_tokens=k, adaptive=adaptive,
+                    max_model_len=MAX_LEN,
                     max_batch_size=3, prefill_chunk=3, prefill_itl_factor=itl_factor)
     if itl_factor is not None:  # riding 2 tokens a step whatever the steps' times: c's prefill spans b's end
         engine.chunk_budget.tokens = lambda batch_size: 2
@@ -647,7 +659,8 @@ def test_chunked_prefill_keeps_the_batch_decoding_and_outputs_exact(itl_factor, 
 def test_abort_while_prefilling():
     """prefill_chunk 3, draft model: aborting a running sequence while a long prompt is being prefilled moves
     that prompt's row along; aborting the sequence being prefilled frees its row; the others stay exact."""
-    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", 2), 3, max_model_len=MAX_LEN,
+    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", 2), num_speculative_tokens=3,
+                    max_model_len=MAX_LEN,
                     max_batch_size=2, prefill_chunk=3)
     long1, long2 = tuple(range(10, 40)), tuple(range(40, 70))
     engine.add_request("x", list(PROMPTS[1]), GREEDY)  # 6 tokens to feed: steps 1 and 2, then it decodes
@@ -717,7 +730,7 @@ def test_the_draft_reads_the_prompt_at_prefill_while_speculating():
     fed, original = widths_fed(drafter)
     try:
         engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(drafter, 1, MAX_LEN, prefill_chunk=8,
-                        window=4), 3, max_model_len=MAX_LEN, prefill_chunk=12)
+                        window=4), num_speculative_tokens=3, max_model_len=MAX_LEN, prefill_chunk=12)
         out = generate(engine, prompt, GREEDY)
     finally:
         drafter.forward = original
@@ -732,7 +745,8 @@ def test_the_draft_skips_prompts_joining_while_speculation_is_off():
     the draft (a probe restarts on a short window instead), and the output stays exact. Before anything is
     measured the draft reads the prompt: its first steps measure it with its whole context."""
     degraded = PermutedLogitsModel(varied_model(seed=0, dtype=torch.float32), seed=1)
-    engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4), 4,
+    engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4),
+                    num_speculative_tokens=4,
                     adaptive=True, max_model_len=MAX_LEN)
     controller = engine.controller
     reads = lambda: controller.draft_reads_prompt([], 1, 29, GREEDY.max_tokens)  # noqa: E731  (a 30-token prompt)
@@ -783,7 +797,7 @@ SAMPLING = dict(temperature=0.9, top_k=40, max_tokens=30, ignore_eos=True)
 def test_seeded_sampling_is_reproducible(kind, k):
     def sampled(seed: int) -> list[int]:
         proposer = None if kind == "plain" else make_proposer("fp32", kind)
-        engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, max_model_len=MAX_LEN)
+        engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=MAX_LEN)
         return generate(engine, PROMPTS[0], SamplingParams(seed=seed, **SAMPLING)).token_ids
 
     first = sampled(123)
@@ -800,10 +814,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     with prompt lookup (which draws nothing), a seeded request samples the same tokens alone or in a batch."""
     params = [SamplingParams(seed=s, **SAMPLING) for s in (1, 2, 3)]
     alone = [
-        generate(Engine(target("bf16"), FakeTokenizer(), NgramProposer(), 3, max_model_len=MAX_LEN), prompt,
+        generate(Engine(target("bf16"), FakeTokenizer(), NgramProposer(), num_speculative_tokens=3,
+                        max_model_len=MAX_LEN), prompt,
                  p).token_ids
         for prompt, p in zip(PROMPTS, params)
     ]
-    engine = Engine(target("bf16"), FakeTokenizer(), NgramProposer(), 3, max_model_len=MAX_LEN, max_batch_size=3)
+    engine = Engine(target("bf16"), FakeTokenizer(), NgramProposer(), num_speculative_tokens=3, max_model_len=MAX_LEN,
+                    max_batch_size=3)
     finals = run(engine, [(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(PROMPTS, params))], join_at=[0, 1, 4])
     assert [finals[str(i)].token_ids for i in range(3)] == alone

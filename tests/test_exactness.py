@@ -73,7 +73,8 @@ def test_target_rows_do_not_depend_on_rows_computed_together(pair):
 def test_draft_model_greedy_is_bit_exact(pair, k, plain_outputs):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for ids, expected in zip(prompts(pair.tokenizer), plain_outputs):
-        engine = Engine(pair.target, pair.tokenizer, DraftModelProposer(pair.draft_model, 1, 1024), k,
+        engine = Engine(pair.target, pair.tokenizer, DraftModelProposer(pair.draft_model, 1, 1024),
+                        num_speculative_tokens=k,
                         max_model_len=1024)
         out = run(engine, ids, params)
         assert out.token_ids == expected
@@ -83,9 +84,10 @@ def test_draft_model_greedy_is_bit_exact(pair, k, plain_outputs):
 def test_ngram_and_adaptive_greedy_are_bit_exact(pair, plain_outputs):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for ids, expected in zip(prompts(pair.tokenizer), plain_outputs):
-        ngram = Engine(pair.target, pair.tokenizer, NgramProposer(), 5, max_model_len=1024)
+        ngram = Engine(pair.target, pair.tokenizer, NgramProposer(), num_speculative_tokens=5, max_model_len=1024)
         assert run(ngram, ids, params).token_ids == expected
-        adaptive = Engine(pair.target, pair.tokenizer, DraftModelProposer(pair.draft_model, 1, 1024), 5,
+        adaptive = Engine(pair.target, pair.tokenizer, DraftModelProposer(pair.draft_model, 1, 1024),
+                          num_speculative_tokens=5,
                           adaptive=True, max_model_len=1024)
         assert run(adaptive, ids, params).token_ids == expected
 
@@ -95,7 +97,7 @@ def plain_outputs(pair):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = []
     for ids in prompts(pair.tokenizer):
-        out = run(Engine(pair.target, pair.tokenizer, None, 0, max_model_len=1024), ids, params)
+        out = run(Engine(pair.target, pair.tokenizer, None, num_speculative_tokens=0, max_model_len=1024), ids, params)
         assert len(out.token_ids) == 64
         outs.append(out.token_ids)
     return outs
@@ -130,7 +132,8 @@ def test_shipped_heads_greedy_is_bit_exact(pair, plain_outputs, name):
         vocab = pair.target.config.vocab_size
         proposer = MedusaProposer(head, vocab, shape, max_depth=k) if method == "medusa" else \
             EagleProposer(head, vocab, 1, 1024, shape, max_depth=k)
-        out = run(Engine(pair.target, pair.tokenizer, proposer, k, max_model_len=1024), ids, params)
+        out = run(Engine(pair.target, pair.tokenizer, proposer, num_speculative_tokens=k,
+                         max_model_len=1024), ids, params)
         assert out.token_ids == expected
         accepted += out.metrics.num_accepted_tokens
     assert accepted > 0
@@ -208,12 +211,13 @@ def test_a_prompt_read_inside_another_sequences_passes_is_bit_exact(pair, plain_
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     ids = prompts(pair.tokenizer)[:2]
     proposer = DraftModelProposer(pair.draft_model, 2, 1024) if speculative else None
-    engine = Engine(pair.target, pair.tokenizer, proposer, 5 if speculative else 0, max_model_len=1024,
+    engine = Engine(pair.target, pair.tokenizer, proposer, num_speculative_tokens=5 if speculative else 0,
+                    max_model_len=1024,
                     max_batch_size=2)
     engine.chunk_budget.tokens = lambda batch_size: 7
-    engine._ride_pays = lambda tokens: way == "ride"
-    rode, read = [], engine._rode
-    engine._rode = lambda riding: (rode.append(len(riding.rows.tokens)), read(riding))
+    engine.planner.ride_pays = lambda tokens: way == "ride"
+    rode, read = [], engine.planner.rode
+    engine.planner.rode = lambda riding: (rode.append(len(riding.rows.tokens)), read(riding))
     engine.add_request("0", ids[0], params)
     finals, added, own = {}, False, []
     while engine.has_unfinished_requests():
@@ -221,7 +225,7 @@ def test_a_prompt_read_inside_another_sequences_passes_is_bit_exact(pair, plain_
             engine.add_request("1", ids[1], params)
             added = True
         finals |= {out.request_id: out for out in engine.step() if out.finished}
-        own += [engine._fed[0]] if engine._fed[0] else []
+        own += [engine.plan.fed.tokens] if engine.plan.fed.tokens else []
     if way == "ride":
         assert len(rode) >= 5 and max(rode) == 7  # it rode (and was not fed alone)
     else:  # read 7 at a time in passes of its own beside prompt 0's (the rest at once if prompt 0 ends first)
@@ -238,7 +242,8 @@ def test_a_preempted_sequence_recomputes_its_tokens_bit_exactly(pair, plain_outp
     ids = prompts(pair.tokenizer)[:2]
     length = len(ids[0]) + len(ids[1]) + 32  # the context, and the pool's slots for rows: 32 to write, not 128
     proposer = DraftModelProposer(pair.draft_model, 2, length)
-    engine = Engine(pair.target, pair.tokenizer, proposer, 5, max_model_len=length, max_batch_size=2,
+    engine = Engine(pair.target, pair.tokenizer, proposer, num_speculative_tokens=5, max_model_len=length,
+                    max_batch_size=2,
                     row_tokens=length)
     for i in range(2):
         engine.add_request(str(i), ids[i], params)

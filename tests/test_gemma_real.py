@@ -50,7 +50,7 @@ def test_float_path_greedy_matches_transformers(path):
     for ids in held_out_prompts(tokenizer):
         with torch.no_grad():
             out = reference.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        got = run(Engine(ours, tokenizer, None, 0, max_model_len=256), ids, params).token_ids
+        got = run(Engine(ours, tokenizer, None, num_speculative_tokens=0, max_model_len=256), ids, params).token_ids
         assert got == out[0, len(ids):].tolist()
 
 
@@ -60,9 +60,9 @@ def test_speculative_greedy_equals_plain_on_the_block_kernels(path):
     _, model, tokenizer = load_quantized(path, "gguf", torch.bfloat16)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for ids in held_out_prompts(tokenizer, 3):
-        plain = run(Engine(model, tokenizer, None, 0, max_model_len=256), ids, params).token_ids
+        plain = run(Engine(model, tokenizer, None, num_speculative_tokens=0, max_model_len=256), ids, params).token_ids
         for proposer in (NgramProposer(), SuffixProposer(SuffixCache()), SuffixProposer(SuffixCache(), tree=True)):
-            out = run(Engine(model, tokenizer, proposer, 5, max_model_len=256), ids, params)
+            out = run(Engine(model, tokenizer, proposer, num_speculative_tokens=5, max_model_len=256), ids, params)
             assert out.token_ids == plain, type(proposer).__name__
 
 
@@ -79,9 +79,9 @@ def test_shipped_medusa_heads_greedy_equals_plain(path, tree):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     accepted = 0
     for ids in held_out_prompts(tokenizer, 2):
-        plain = run(Engine(model, tokenizer, None, 0, max_model_len=256), ids, params).token_ids
+        plain = run(Engine(model, tokenizer, None, num_speculative_tokens=0, max_model_len=256), ids, params).token_ids
         proposer = MedusaProposer(head, model.config.vocab_size, default_tree(3) if tree else None, max_depth=3)
-        out = run(Engine(model, tokenizer, proposer, 3, max_model_len=256), ids, params)
+        out = run(Engine(model, tokenizer, proposer, num_speculative_tokens=3, max_model_len=256), ids, params)
         assert out.token_ids == plain
         accepted += out.metrics.num_accepted_tokens
     assert accepted > 0

@@ -63,7 +63,8 @@ def record(llm, name: str) -> dict:
     vocab = llm.target.config.vocab_size
     proposer = (MedusaProposer(heads, vocab, shape, max_depth=k) if method == "medusa"
                 else EagleProposer(heads, vocab, batch, MAX_LEN, shape, max_depth=k))
-    engine = Engine(llm.target, llm.tokenizer, proposer, k, max_model_len=MAX_LEN, max_batch_size=batch,
+    engine = Engine(llm.target, llm.tokenizer, proposer, num_speculative_tokens=k, max_model_len=MAX_LEN,
+                    max_batch_size=batch,
                     adaptive=False)
     steps = []
     propose = proposer.propose

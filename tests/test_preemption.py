@@ -39,7 +39,7 @@ def engine_for(kind: str, blocks: int = 0, block: int = PAGE) -> Engine:
         suffix = SuffixProposer(SuffixCache(8, 100))
         proposer = suffix if kind == "suffix" else AutoModelProposer(
             suffix, DraftModelProposer(draft("fp32", "noisy copy"), 4, MAX_LEN, window=16), 3, True, "draft_model")
-        engine = Engine(target("fp32"), FakeTokenizer(), proposer, 5 if kind == "suffix" else 8,
+        engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=5 if kind == "suffix" else 8,
                         max_model_len=MAX_LEN, max_batch_size=4, row_tokens=MAX_LEN, prefill_chunk=48,
                         prefix_cache_blocks=blocks, prefix_block_size=block, clock=step_clock())
     else:

@@ -22,20 +22,20 @@ LONG = tuple((13 * i + 7) % 90 for i in range(61))  # 60 tokens to read while SH
 
 def riding_steps(engine: Engine) -> list[int]:
     """Record the prompt tokens that ride in each step's pass; returns the list."""
-    steps, rode = [], engine._rode
+    steps, rode = [], engine.planner.rode
 
     def spy(riding):
         steps.append(len(riding.rows.tokens))
         return rode(riding)
 
-    engine._rode = spy
+    engine.planner.rode = spy
     return steps
 
 
 def fed_while_decoding(engine: Engine) -> list[int]:
     """Record the prompt tokens each pass of their own reads in a step that others decode in (not those of
     prompts fed together while none decode); returns the list."""
-    fed, feed, prefill, decoding = [], engine.prefill.feed, engine._prefill, [False]
+    fed, feed, prompts, decoding = [], engine.prefill.feed, engine.planner.prompts, [False]
 
     def spy(target, seq, budget, batch, *rest):
         n = feed(target, seq, budget, batch, *rest)
@@ -43,11 +43,11 @@ def fed_while_decoding(engine: Engine) -> list[int]:
             fed.append(n)
         return n
 
-    def step_prefill():
+    def step_prompts(read):
         decoding[0] = bool(engine.running)
-        return prefill()
+        return prompts(read)
 
-    engine.prefill.feed, engine._prefill = spy, step_prefill
+    engine.prefill.feed, engine.planner.prompts = spy, step_prompts
     return fed
 
 
@@ -67,7 +67,7 @@ def test_riding_prompts_give_the_outputs_of_prompts_fed_on_their_own(kind, budge
     fed_alone = run(make_engine(kind, chunk=64, batch=3, prefill_itl_factor=None), requests, join_at=join_at)
     engine = make_engine(kind, chunk=64, batch=3)
     engine.chunk_budget.tokens = lambda batch_size: budget
-    engine._ride_pays = lambda tokens: way == "ride"
+    engine.planner.ride_pays = lambda tokens: way == "ride"
     steps, fed = riding_steps(engine), fed_while_decoding(engine)
     riding = run(engine, requests, join_at=join_at)
     assert {r: o.token_ids for r, o in riding.items()} == {r: o.token_ids for r, o in fed_alone.items()}
@@ -129,9 +129,9 @@ def test_the_budget_keeps_a_step_within_the_factor_of_a_decode_step():
             now[0] += 1.0 + 0.25 * rows * tokens.shape[1]
             return model(tokens, positions, cache, **kw)
 
-    engine = Engine(Timed(), FakeTokenizer(), None, 0, max_model_len=MAX_LEN, max_batch_size=2,
+    engine = Engine(Timed(), FakeTokenizer(), None, num_speculative_tokens=0, max_model_len=MAX_LEN, max_batch_size=2,
                     clock=lambda: now[0])
-    engine._ride_pays = lambda tokens: True  # (pads cost nothing here: this model's passes cost by prompt rows)
+    engine.planner.ride_pays = lambda tokens: True  # (pads cost nothing here: this model's passes cost by prompt rows)
     steps = riding_steps(engine)
     step_times, last = [], [0.0]
 

@@ -102,7 +102,8 @@ def test_plain_decoding_applies_each_parameter_as_the_naive_reference(name):
 def test_greedy_speculation_with_each_parameter_equals_plain(name, kind, k, adaptive):
     p = params(name)
     for prompt in PROMPTS:
-        engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", kind), k, adaptive,
+        engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", kind), num_speculative_tokens=k,
+                        adaptive=adaptive,
                         max_model_len=MAX_LEN)
         out = run(engine, [("r", prompt, p)])["r"]
         expected = plain(prompt, p)
@@ -115,7 +116,7 @@ def test_penalties_count_the_drafted_tokens_before_each_position(continuation):
     position of the pass sees the drafted tokens before it: K = 8, one pass emits 9 tokens."""
     p = params("frequency", max_tokens=9)
     expected = plain(STOP_PROMPT, p).token_ids
-    engine = Engine(target("fp32"), FakeTokenizer(), oracle(expected), 8, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(), oracle(expected), num_speculative_tokens=8, max_model_len=MAX_LEN)
     out = run(engine, [("r", STOP_PROMPT, p)])["r"]
     assert out.token_ids == expected
     assert out.metrics.target_passes == 1 and out.metrics.num_accepted_tokens == 8
@@ -134,7 +135,8 @@ def test_each_row_of_a_pass_sees_the_drafted_tokens_on_its_own_path():
 def test_a_stop_token_inside_an_accepted_draft_ends_the_output_there(continuation):
     stop = continuation[3]
     p = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
-    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), 6, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(), oracle(continuation), num_speculative_tokens=6,
+                    max_model_len=MAX_LEN)
     out = run(engine, [("r", STOP_PROMPT, p)])["r"]
     assert out.token_ids == continuation[:4] and (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert out.text.endswith(FakeTokenizer().decode([stop]))  # kept in the output, as vLLM does
@@ -148,7 +150,8 @@ def test_min_tokens_holds_eos_back_inside_a_draft(continuation):
     p = SamplingParams(temperature=0, max_tokens=20, min_tokens=5)
     expected = run(Engine(target("fp32"), tok, max_model_len=MAX_LEN), [("r", STOP_PROMPT, p)])["r"]
     assert len(expected.token_ids) >= 5 and eos not in expected.token_ids[:5]
-    out = run(Engine(target("fp32"), tok, oracle(continuation), 5, max_model_len=MAX_LEN), [("r", STOP_PROMPT, p)])["r"]
+    out = run(Engine(target("fp32"), tok, oracle(continuation), num_speculative_tokens=5,
+                     max_model_len=MAX_LEN), [("r", STOP_PROMPT, p)])["r"]
     assert out.token_ids == expected.token_ids
     assert out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens  # the drafted EOS was refused
 
@@ -181,7 +184,8 @@ def assert_same_logprobs(got, want) -> None:
 def test_greedy_logprobs_are_identical_with_and_without_speculation(kind, k):
     p = params("all penalties", logprobs=3)
     ref = plain(PROMPTS[0], p)
-    engine = Engine(target("fp32"), FakeTokenizer(), None if kind == "plain" else make_proposer("fp32", kind), k,
+    engine = Engine(target("fp32"), FakeTokenizer(), None if kind == "plain" else make_proposer("fp32", kind),
+                    num_speculative_tokens=k,
                     max_model_len=MAX_LEN)
     out = run(engine, [("r", PROMPTS[0], p)])["r"]
     assert out.token_ids == ref.token_ids
@@ -199,7 +203,8 @@ def test_greedy_logprobs_are_identical_with_and_without_speculation(kind, k):
 def test_sampled_logprobs_are_those_of_the_processed_distribution_at_each_position():
     p = SamplingParams(temperature=0.8, top_k=20, min_p=0.02, frequency_penalty=1.0, max_tokens=24, seed=3,
                        ignore_eos=True, logprobs=2)
-    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy"), 4, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy"), num_speculative_tokens=4,
+                    max_model_len=MAX_LEN)
     out = run(engine, [("r", PROMPTS[1], p)])["r"]
     assert out.metrics.num_accepted_tokens > 0
     expected = teacher_forced_logprobs(PROMPTS[1], out.token_ids, p)
@@ -229,7 +234,8 @@ def test_n_sequences_are_seeded_apart_and_best_of_keeps_the_likeliest():
     children = fan_out(p)
     assert [c.seed for c in children] == [11, 12, 13, 14]
     assert [c.seed for c in fan_out(SamplingParams(seed=2**64 - 2, n=3))] == [2**64 - 2, 2**64 - 1, 0]
-    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", max_batch_size=4), 3,
+    engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", max_batch_size=4),
+                    num_speculative_tokens=3,
                     max_model_len=MAX_LEN, max_batch_size=4)
     finals = run(engine, [(f"s{i}", PROMPTS[2], c) for i, c in enumerate(children)])
     outs = [finals[f"s{i}"] for i in range(4)]
@@ -272,7 +278,8 @@ def sampled_pairs(broken: bool = False) -> torch.Tensor:
         engine_module.process_rows = lambda logits, p, prompt, out, drafted, stop: original(
             logits, p, prompt, out, [[] for _ in drafted], stop)
     try:
-        engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "self", max_batch_size=16), 2,
+        engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "self", max_batch_size=16),
+                        num_speculative_tokens=2,
                         max_model_len=MAX_LEN, max_batch_size=16)
         requests = [(str(i), DIST_PROMPT, SamplingParams(**{**SAMPLED.__dict__, "seed": 1000 + i}))
                     for i in range(RUNS)]
@@ -357,7 +364,8 @@ def test_constrained_greedy_output_is_plain_constrained_decoding_under_speculati
         assert 0 <= value["n"] <= 999 and value["tag"] in ("red", "green", "blue")
     for k in (1, 4, 8):
         proposer = scripted_with_errors(plain_out.token_ids, tokenizer.vocab_size)
-        out = run(Engine(model, tokenizer, proposer, k, max_model_len=MAX_LEN), [("r", prompt, p)])["r"]
+        out = run(Engine(model, tokenizer, proposer, num_speculative_tokens=k,
+                         max_model_len=MAX_LEN), [("r", prompt, p)])["r"]
         assert out.token_ids == plain_out.token_ids, k
         assert 0 < out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
 
@@ -370,7 +378,8 @@ def test_a_draft_model_drafts_under_the_grammar_too(byte_level):
     rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
     p = SamplingParams(temperature=0, max_tokens=80, response_format=rf)
     plain_out = run(Engine(model, tokenizer, max_model_len=MAX_LEN), [("r", prompt, p)])["r"]
-    out = run(Engine(model, tokenizer, DraftModelProposer(draft_model, 1, MAX_LEN), 4, max_model_len=MAX_LEN),
+    out = run(Engine(model, tokenizer, DraftModelProposer(draft_model, 1, MAX_LEN), num_speculative_tokens=4,
+                     max_model_len=MAX_LEN),
               [("r", prompt, p)])["r"]
     assert out.token_ids == plain_out.token_ids
     assert out.metrics.num_accepted_tokens >= 10, out.metrics
@@ -383,7 +392,8 @@ def test_constrained_sampling_with_a_draft_model_stays_in_the_schema(byte_level)
     accepted = 0
     for seed in range(3):
         p = SamplingParams(temperature=0.9, seed=seed, max_tokens=100, response_format=rf)
-        out = run(Engine(model, tokenizer, DraftModelProposer(draft_model, 1, MAX_LEN), 4, max_model_len=MAX_LEN),
+        out = run(Engine(model, tokenizer, DraftModelProposer(draft_model, 1, MAX_LEN), num_speculative_tokens=4,
+                         max_model_len=MAX_LEN),
                   [("r", prompt, p)])["r"]
         assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"ok", "n", "tag"}, out.text
         accepted += out.metrics.num_accepted_tokens

@@ -162,7 +162,7 @@ def server(tmp_path_factory):
     write_tiny_gguf(path)
     tokenizer = Tokenizer.from_gguf(GGUFReader(path))
     model = tiny_model("qwen2", seed=0, vocab_size=tokenizer.vocab_size)
-    engine = Engine(model, tokenizer, NgramProposer(), 3, max_model_len=256, max_batch_size=4)
+    engine = Engine(model, tokenizer, NgramProposer(), num_speculative_tokens=3, max_model_len=256, max_batch_size=4)
     with LiveServer(engine) as live:
         yield live
 

@@ -162,7 +162,8 @@ def suffix_engine(k: int, adaptive: bool = False, tree: bool = False, batch: int
     """(Unsalted requests share the global trie here, as on a single-user server, unless `share_unsalted` is
     False: the default of a served model.)"""
     proposer = SuffixProposer(SuffixCache(depth, cached, share_unsalted), tree=tree)
-    engine = Engine(target("fp32"), FakeTokenizer(), proposer, k, adaptive, max_model_len=MAX_LEN,
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=k, adaptive=adaptive,
+                    max_model_len=MAX_LEN,
                     max_batch_size=batch)
     if adaptive:
         engine.controller.costs = SpeculationPays()  # the controller's choices do not depend on this machine's speed
@@ -285,7 +286,8 @@ def test_a_prompt_trie_grows_chunk_by_chunk_as_the_target_reads_it():
     drafts and output are those of a trie built from the whole prompt at once."""
     prompt = tuple(PROMPTS[0]) * 3
     proposer = SuffixProposer(SuffixCache(24, 100, False))
-    engine = Engine(target("fp32"), FakeTokenizer(), proposer, 8, False, max_model_len=MAX_LEN, prefill_chunk=8)
+    engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=8, adaptive=False,
+                    max_model_len=MAX_LEN, prefill_chunk=8)
     engine.add_request("r", list(prompt), GREEDY)
     read = []
     while "r" not in proposer.suffix_cache.active or proposer.suffix_cache.consumed("r") < len(prompt):

@@ -31,10 +31,11 @@ def test_suffix_greedy_is_bit_exact(llm):
     code = inspect.getsource(colorsys.hls_to_rgb)
     edit = tok.encode_parts(tok.render_chat([{"role": "user", "content": f"```python\n{code}```\nRename the "
                                               "parameter `l` to `lightness`. Reply with the whole function."}]))
-    expected = decode(Engine(llm.target, tok, None, 0, max_model_len=1024), edit, PARAMS).token_ids
+    expected = decode(Engine(llm.target, tok, None, num_speculative_tokens=0,
+                             max_model_len=1024), edit, PARAMS).token_ids
     for tree in (False, True):
         proposer = SuffixProposer(SuffixCache(24, 0), tree=tree)
-        out = decode(Engine(llm.target, tok, proposer, 16, max_model_len=1024), edit, PARAMS)
+        out = decode(Engine(llm.target, tok, proposer, num_speculative_tokens=16, max_model_len=1024), edit, PARAMS)
         assert out.token_ids == expected, f"tree={tree}"
         m = out.metrics
         assert m.num_accepted_tokens >= 16 and m.target_passes < 30 and m.num_accepted_tokens < m.num_draft_tokens
@@ -68,7 +69,7 @@ def test_the_default_auto_speculation_is_bit_exact_and_uses_both_drafters(llm):
         [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
     ]
     accepted: dict[str, int] = {}
-    plain = Engine(llm.target, tok, None, 0, max_model_len=1024)
+    plain = Engine(llm.target, tok, None, num_speculative_tokens=0, max_model_len=1024)
     llm.engine.controller.costs = RowCosts()  # which drafter wins must not depend on this machine's load
     for messages in prompts:
         ids = tok.encode_parts(tok.render_chat(messages))

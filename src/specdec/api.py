@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from specdec.config import KV_FORMATS, SamplingParams, SpeculativeConfig, specdec_home
+from specdec.config import (KV_FORMATS, CacheConfig, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
+                            specdec_home)
 from specdec.engine import Engine
 from specdec.engine.disk_cache import NUMERICS_VERSION, DiskTier, file_digest, namespace
 from specdec.engine.memory import default_budget, device_memory, plan_memory
@@ -120,6 +121,14 @@ def build_speculative_config(
     return SpeculativeConfig.from_dict(d)
 
 
+def engine_config(spec: SpeculativeConfig | None, scheduler: SchedulerConfig, cache: CacheConfig) -> EngineConfig:
+    """The engine's config for speculating as `spec` says (None: plain decoding): K is its longest draft
+    (`SpeculativeConfig.max_tokens`); auto speculation and suffix drafts beside a drafter adapt by themselves."""
+    return EngineConfig(scheduler, cache, num_speculative_tokens=spec.max_tokens if spec else 0,
+                        adaptive=bool(spec and spec.adaptive and not spec.with_suffix),
+                        disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+
+
 class LLM:
     def __init__(
         self,
@@ -187,9 +196,11 @@ class LLM:
                                   draft_model=self.draft_model, heads=self.heads, special_ids=self.tokenizer.special_ids)
         self.prefix_disk = self._disk_tier(prefix_cache_dir, prefix_cache_disk_gb) \
             if prefix_cache_disk and self.memory_plan.prefix_cache_blocks > 0 else None
-        self.engine = self._engine(self.spec, proposer, self.memory_plan.max_num_seqs, prefill_chunk,
-                                   self.memory_plan.prefix_cache_blocks, prefix_caching_isolation,
-                                   self.memory_plan.kv_tokens, prefill_itl_factor, self.prefix_disk)
+        memory = self.memory_plan
+        self.engine_config = engine_config(self.spec, SchedulerConfig(
+            self.max_model_len, memory.max_num_seqs, prefill_chunk, prefill_itl_factor, row_tokens=memory.kv_tokens),
+            CacheConfig(memory.prefix_cache_blocks, memory.prefix_block_size, prefix_caching_isolation))
+        self.engine = Engine(self.target, self.tokenizer, proposer, self.engine_config, prefix_disk=self.prefix_disk)
         self._ids = itertools.count()
 
     def engine_for(self, spec: SpeculativeConfig | None) -> Engine:
@@ -207,7 +218,9 @@ class LLM:
                                   max_model_len=self.memory_plan.row_len or self.max_model_len,
                                   draft_model=drafters.draft_model, heads=drafters.heads,
                                   special_ids=self.tokenizer.special_ids)
-        return self._engine(spec, proposer, 1, row_tokens=self.max_model_len)  # a row of 4096, longer if need be
+        one = SchedulerConfig(self.max_model_len, max_batch_size=1, row_tokens=self.max_model_len)  # (one row)
+        return Engine(self.target, self.tokenizer, proposer,
+                      engine_config(spec, one, CacheConfig(prefix_block_size=self.memory_plan.prefix_block_size)))
 
     def _disk_tier(self, directory: str | None, gigabytes: float) -> DiskTier:
         """The prefix cache's disk tier: under `directory` (default $SPECDEC_PREFIX_CACHE_DIR, else
@@ -225,28 +238,6 @@ class LLM:
                           self.kv_cache_dtype, numerics, NUMERICS_VERSION, self.memory_plan.prefix_block_size)
         root = directory or os.environ.get("SPECDEC_PREFIX_CACHE_DIR") or specdec_home() / "kv"
         return DiskTier(Path(root), space, int(gigabytes * 2**30))
-
-    def _engine(self, spec: SpeculativeConfig | None, proposer, max_num_seqs: int, prefill_chunk: int = 512,
-                prefix_cache_blocks: int = 0, prefix_isolation: str = "shared",
-                row_tokens: int | None = None, prefill_itl_factor: float | None = 2.0,
-                prefix_disk: DiskTier | None = None) -> Engine:
-        return Engine(
-            self.target,
-            self.tokenizer,
-            proposer,
-            num_speculative_tokens=spec.max_tokens if spec else 0,
-            adaptive=bool(spec and spec.adaptive and not spec.with_suffix),  # (auto speculation adapts itself)
-            max_model_len=self.max_model_len,
-            max_batch_size=max_num_seqs,
-            prefill_chunk=prefill_chunk,
-            prefill_itl_factor=prefill_itl_factor,
-            disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-            prefix_cache_blocks=prefix_cache_blocks,
-            prefix_block_size=self.memory_plan.prefix_block_size,
-            prefix_isolation=prefix_isolation,
-            prefix_disk=prefix_disk,
-            row_tokens=row_tokens,
-        )
 
     # ----------------------------------------------------------------------------------- generation
     def generate(

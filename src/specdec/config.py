@@ -424,3 +424,67 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Who runs and how their prompts are read (`specdec.engine.scheduler`, `specdec.engine.planner`).
+
+    `row_tokens`: the K/V slots all running sequences share, in pages (None: `max_batch_size` sequences of
+    `max_model_len`; fewer: sequences run while their lengths fit it). `prefill_chunk`: prompt tokens read per
+    step, at most. `prefill_itl_factor`: while sequences decode, a joining prompt is read inside their steps,
+    as many tokens a step as keep it within this factor of a decode step alone (`ChunkBudget`); None: in chunks
+    of `prefill_chunk` of its own, each stalling them.
+    """
+
+    max_model_len: int = 4096
+    max_batch_size: int = 1
+    prefill_chunk: int = 512
+    prefill_itl_factor: float | None = 2.0
+    row_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The prefix cache (`specdec.engine.prefix_cache`): `prefix_cache_blocks` blocks of `prefix_block_size`
+    tokens (0: none); `prefix_isolation`: "shared" (vLLM's: requests without a `cache_salt` share cached
+    prefixes with each other) or "salt" (only salted requests use it, each salt its own: how much of a prompt
+    was cached tells nothing of another tenant's prompts)."""
+
+    prefix_cache_blocks: int = 0
+    prefix_block_size: int = 16  # tokens a block: vLLM's default (`prefix_cache.BLOCK_SIZE`)
+    prefix_isolation: str = "shared"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an `Engine` is built with: its scheduling, its prefix cache, and the bounds of its speculation
+    (K, the most tokens a draft holds; `adaptive`: the controller picks K in [0, K] each step;
+    `disable_by_batch_size`: no speculation while more sequences than this run). The caller resolves these
+    from a `SpeculativeConfig` (`LLM`: its `max_tokens`, ...); a proposer that never drafts ignores them.
+
+    `EngineConfig.of(max_model_len=256, prefix_cache_blocks=64)` names any field of the three."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+    num_speculative_tokens: int = 0
+    adaptive: bool = False
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def of(cls, **settings: Any) -> "EngineConfig":
+        return cls().replace(**settings)
+
+    def replace(self, **settings: Any) -> "EngineConfig":
+        """A copy with the named fields of it, its `scheduler` or its `cache` set."""
+        groups = {"scheduler": self.scheduler, "cache": self.cache}
+        changes: dict[str, dict[str, Any]] = {"scheduler": {}, "cache": {}, "self": {}}
+        for name, value in settings.items():
+            group = next((g for g, c in groups.items() if name in {f.name for f in dataclasses.fields(c)}), "self")
+            changes[group][name] = value
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes["scheduler"]),
+                                   cache=dataclasses.replace(self.cache, **changes["cache"]), **changes["self"])

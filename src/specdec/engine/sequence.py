@@ -13,9 +13,10 @@ from specdec.engine.metrics import SpecMetrics
 from specdec.engine.output_text import OutputText
 from specdec.engine.outputs import RequestOutput, TokenLogprob
 from specdec.engine.structured import Grammar, GrammarMatcher
-from specdec.engine.verification import token_logprobs
+from specdec.engine.verification import Judged, token_logprobs
 from specdec.models.tokenizer import Tokenizer
 from specdec.speculative.costs import AcceptanceEstimate
+from specdec.speculative.proposers import Draft
 
 
 @dataclass(eq=False)
@@ -61,6 +62,20 @@ class Sequence:
         self.cumulative_logprob += float(chosen.sum())
         if self.logprobs is not None:
             self.logprobs.extend(token_logprobs(logprobs, tokens, self.params.logprobs))
+
+    def emit(self, draft: Draft, judged: Judged, draft_seconds: float, target_seconds: float) -> RequestOutput:
+        """Append the verdict's tokens on `draft` (stop rules applied), record them and the step's share of
+        drafting and target time, and report its output."""
+        new_ids = self.output.append(judged.verdict.output_tokens(draft.tokens))
+        self.tokens += new_ids
+        if self.matcher is not None:
+            self.matcher.advance(new_ids)
+        if judged.logprobs is not None:
+            self.record_logprobs(judged.logprobs[judged.slots[:len(new_ids)]], new_ids)
+        self.metrics.record_step(draft.depth, judged.verdict.num_accepted, len(new_ids), draft.source)
+        self.metrics.draft_time += draft_seconds
+        self.metrics.target_time += target_seconds
+        return self.report(new_ids)
 
     def report(self, new_ids: list[int]) -> RequestOutput:
         """What it reports after a step that emitted `new_ids`."""

@@ -9,14 +9,35 @@ rejection sampling (chains and trees). The log-probabilities reported are those 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdec.engine.outputs import TokenLogprob
 from specdec.engine.structured import GrammarMatcher
+from specdec.models.kv_cache import KVCache
 from specdec.sampling import logprob_rows, process_logits, process_rows, sample
 from specdec.speculative.acceptance import Verdict, greedy_accept, rejection_sample
 from specdec.speculative.proposers import Draft
 from specdec.speculative.tree import greedy_accept_tree, tree_rejection_sample
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One sequence's verdict on its rows of a verification pass (`judge`)."""
+
+    verdict: Verdict
+    logprobs: torch.Tensor | None  # [len(draft) + 1, V] the rows' log-probabilities, where it reports them
+    slots: list[int]  # the pass rows committed, [last, *kept]: those that scored the emitted tokens
+
+
+def judge(seq, draft: Draft, target_logits: torch.Tensor, cache: KVCache) -> Judged:
+    """Accept or reject `draft` (target_logits [T, V]) and commit the kept slots of the pass to `seq`'s row of
+    `cache`. Example: a chain of 3 whose first 2 are accepted -> slots [0, 1, 2], the row 3 slots longer."""
+    verdict, logprobs = accept(seq, draft, target_logits)
+    slots = [0] + [1 + i for i in verdict.kept()]
+    cache.commit(seq.row, slots)
+    return Judged(verdict, logprobs, slots)
 
 
 def accept(seq, draft: Draft, target_logits: torch.Tensor) -> tuple[Verdict, torch.Tensor | None]:
