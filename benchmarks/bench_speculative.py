@@ -48,8 +48,7 @@ def build(llm: LLM, name: str, bad_draft) -> tuple[Method, Engine]:
     spec = parse_method(name.replace("degraded:", f"draft:{DRAFT}:"), TARGET).spec
     proposer = DraftModelProposer(bad_draft, 1, MAX_MODEL_LEN)
     engine = Engine(llm.target, llm.tokenizer, proposer, num_speculative_tokens=spec.num_speculative_tokens,
-                    adaptive=spec.adaptive,
-                    max_model_len=MAX_MODEL_LEN)
+                    adaptive=spec.adaptive, max_model_len=MAX_MODEL_LEN)
     return Method(name, spec), engine
 
 

@@ -86,8 +86,7 @@ def measure() -> dict[str, float]:
         elif kind == "draft":
             proposer = DraftModelProposer(_timed(_model(1), clock), batch, 512)
         engine = Engine(target, _Tokenizer(), proposer, num_speculative_tokens=K if proposer is not None else 0,
-                        max_model_len=512,
-                        max_batch_size=batch)
+                        max_model_len=512, max_batch_size=batch)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         with torch.inference_mode():
             for i in range(batch):  # warm-up

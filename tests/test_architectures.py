@@ -190,8 +190,7 @@ def test_a_batch_and_prefix_hits_give_plain_tokens(blocks):
     blocks in the prefix cache, each speculating K=4: each gets its plain tokens."""
     model, tokenizer, prompts, plain, params = blocks
     engine = Engine(model, tokenizer, DraftModelProposer(model, 3, MAX_LEN), num_speculative_tokens=4,
-                    max_model_len=MAX_LEN,
-                    max_batch_size=3, prefix_cache_blocks=64, prefix_block_size=16)
+                    max_model_len=MAX_LEN, max_batch_size=3, prefix_cache_blocks=64, prefix_block_size=16)
     for attempt in range(2):
         for i, ids in enumerate(prompts):
             engine.add_request(f"{attempt}-{i}", ids, params)

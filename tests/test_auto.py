@@ -44,8 +44,7 @@ def auto_engine(second: str | None = None, k: int = 3, adaptive: bool = True, ba
         drafter = DraftModelProposer(draft("fp32", second), batch, MAX_LEN, window=window)
         proposer = AutoModelProposer(suffix, drafter, k, adaptive, "draft_model")
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=DEPTH, max_model_len=MAX_LEN,
-                    max_batch_size=batch,
-                    **engine_kw)
+                    max_batch_size=batch, **engine_kw)
     engine.controller.costs = costs or SpeculationPays()  # choices that do not depend on this machine's speed
     return engine
 

@@ -511,11 +511,9 @@ def test_adaptive_engine_stops_drafting_with_a_degraded_draft(dtype):
 
     degraded = PermutedLogitsModel(target, seed=1)
     fixed = generate(Engine(target, FakeTokenizer(), DraftModelProposer(degraded, 1, 256), num_speculative_tokens=4,
-                            adaptive=False,
-                            max_model_len=256), prompt, params)
+                            adaptive=False, max_model_len=256), prompt, params)
     adaptive = generate(Engine(target, FakeTokenizer(), DraftModelProposer(degraded, 1, 256), num_speculative_tokens=4,
-                               adaptive=True,
-                               max_model_len=256), prompt, params)
+                               adaptive=True, max_model_len=256), prompt, params)
     assert fixed.token_ids == plain.token_ids
     assert adaptive.token_ids == plain.token_ids
     assert fixed.metrics.acceptance_rate < 0.1  # the draft is indeed degraded

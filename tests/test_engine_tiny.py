@@ -189,8 +189,8 @@ def test_eos_inside_an_accepted_draft_ends_the_output_there(continuation, eos_at
     assert out.metrics.target_passes == 1 and out.metrics.num_accepted_tokens == 5
     assert_metrics_consistent(out)
     # with ignore_eos the same pass keeps going
-    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation),
-                    num_speculative_tokens=5, max_model_len=MAX_LEN)
+    engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation), num_speculative_tokens=5,
+                    max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert out.token_ids == continuation[:30] and out.finish_reason == "length"
 
@@ -200,8 +200,7 @@ def test_eos_as_the_recovered_token(continuation, eos_at):
     """The draft is wrong at position eos_at; the target's own token there (the recovered token) is EOS."""
     eos = continuation[eos_at]
     engine = Engine(target("fp32"), FakeTokenizer(eos_token_ids=(eos,)), oracle(continuation, wrong_at=eos_at),
-                    num_speculative_tokens=5,
-                    max_model_len=MAX_LEN)
+                    num_speculative_tokens=5, max_model_len=MAX_LEN)
     out = generate(engine, STOP_PROMPT, SamplingParams(temperature=0, max_tokens=30))
     assert out.token_ids == continuation[: eos_at + 1] and out.stop_reason == eos
     assert out.metrics.num_accepted_tokens == eos_at
@@ -315,8 +314,7 @@ def test_greedy_speculative_equals_plain(dtype_name, kind, k, adaptive):
     totals = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
     for prompt in PROMPTS:
         engine = Engine(target(dtype_name), FakeTokenizer(), make_proposer(dtype_name, kind), num_speculative_tokens=k,
-                        adaptive=adaptive,
-                        max_model_len=MAX_LEN)
+                        adaptive=adaptive, max_model_len=MAX_LEN)
         if adaptive:  # costs where drafting pays: the controller's choices (and this test's counts) do not
             engine.controller.costs = SpeculationPays()  # depend on how fast this machine runs a tiny model
         out = generate(engine, prompt, GREEDY)
@@ -433,8 +431,7 @@ def test_batch_with_a_sequence_at_the_end_of_the_context(kind):
 
 def test_abort_leaves_the_others_exact():
     engine = Engine(target("bf16"), FakeTokenizer(), make_proposer("bf16", "noisy copy", 3), num_speculative_tokens=3,
-                    max_model_len=MAX_LEN,
-                    max_batch_size=3)
+                    max_model_len=MAX_LEN, max_batch_size=3)
     for rid, prompt in zip("xyz", PROMPTS):
         engine.add_request(rid, list(prompt), GREEDY)
     finals = {}
@@ -546,8 +543,7 @@ def test_a_fault_in_one_sequence_ends_it_alone(fault, kind, monkeypatch):
     sequences' pass (the default)."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=3)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=4, max_model_len=MAX_LEN,
-                    max_batch_size=3,
-                    prefill_chunk=3, prefill_itl_factor=None if fault == "prefilling" else 2.0)
+                    max_batch_size=3, prefill_chunk=3, prefill_itl_factor=None if fault == "prefilling" else 2.0)
     inject(engine, fault, monkeypatch)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     requests = [("bad", BAD_PROMPT, greedy(30))] + [(rid, prompt, greedy(n)) for rid, prompt, n, _ in BATCH_REQUESTS]
@@ -616,8 +612,7 @@ def test_chunked_prefill_keeps_the_batch_decoding_and_outputs_exact(itl_factor, 
     Prompts are fed in chunks of their own, or ride in the running sequences' pass while some run."""
     proposer = None if kind == "plain" else make_proposer(dtype_name, kind, max_batch_size=3)
     engine = Engine(target(dtype_name), FakeTokenizer(), proposer, num_speculative_tokens=k, adaptive=adaptive,
-                    max_model_len=MAX_LEN,
-                    max_batch_size=3, prefill_chunk=3, prefill_itl_factor=itl_factor)
+                    max_model_len=MAX_LEN, max_batch_size=3, prefill_chunk=3, prefill_itl_factor=itl_factor)
     if itl_factor is not None:  # riding 2 tokens a step whatever the steps' times: c's prefill spans b's end
         engine.chunk_budget.tokens = lambda batch_size: 2
     prompts = {rid: prompt for rid, prompt, _, _ in CHUNKED_REQUESTS}
@@ -660,8 +655,7 @@ def test_abort_while_prefilling():
     """prefill_chunk 3, draft model: aborting a running sequence while a long prompt is being prefilled moves
     that prompt's row along; aborting the sequence being prefilled frees its row; the others stay exact."""
     engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", 2), num_speculative_tokens=3,
-                    max_model_len=MAX_LEN,
-                    max_batch_size=2, prefill_chunk=3)
+                    max_model_len=MAX_LEN, max_batch_size=2, prefill_chunk=3)
     long1, long2 = tuple(range(10, 40)), tuple(range(40, 70))
     engine.add_request("x", list(PROMPTS[1]), GREEDY)  # 6 tokens to feed: steps 1 and 2, then it decodes
     engine.add_request("long1", list(long1), GREEDY)  # 29 tokens to feed, from step 3
@@ -746,8 +740,7 @@ def test_the_draft_skips_prompts_joining_while_speculation_is_off():
     measured the draft reads the prompt: its first steps measure it with its whole context."""
     degraded = PermutedLogitsModel(varied_model(seed=0, dtype=torch.float32), seed=1)
     engine = Engine(target("fp32"), FakeTokenizer(), DraftModelProposer(degraded, 1, MAX_LEN, window=4),
-                    num_speculative_tokens=4,
-                    adaptive=True, max_model_len=MAX_LEN)
+                    num_speculative_tokens=4, adaptive=True, max_model_len=MAX_LEN)
     controller = engine.controller
     reads = lambda: controller.draft_reads_prompt([], 1, 29, GREEDY.max_tokens)  # noqa: E731  (a 30-token prompt)
     assert reads()  # nothing measured: the draft reads it, and its first steps measure it

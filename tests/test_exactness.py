@@ -74,8 +74,7 @@ def test_draft_model_greedy_is_bit_exact(pair, k, plain_outputs):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for ids, expected in zip(prompts(pair.tokenizer), plain_outputs):
         engine = Engine(pair.target, pair.tokenizer, DraftModelProposer(pair.draft_model, 1, 1024),
-                        num_speculative_tokens=k,
-                        max_model_len=1024)
+                        num_speculative_tokens=k, max_model_len=1024)
         out = run(engine, ids, params)
         assert out.token_ids == expected
         assert out.metrics.num_drafts > 0
@@ -87,8 +86,7 @@ def test_ngram_and_adaptive_greedy_are_bit_exact(pair, plain_outputs):
         ngram = Engine(pair.target, pair.tokenizer, NgramProposer(), num_speculative_tokens=5, max_model_len=1024)
         assert run(ngram, ids, params).token_ids == expected
         adaptive = Engine(pair.target, pair.tokenizer, DraftModelProposer(pair.draft_model, 1, 1024),
-                          num_speculative_tokens=5,
-                          adaptive=True, max_model_len=1024)
+                          num_speculative_tokens=5, adaptive=True, max_model_len=1024)
         assert run(adaptive, ids, params).token_ids == expected
 
 
@@ -212,8 +210,7 @@ def test_a_prompt_read_inside_another_sequences_passes_is_bit_exact(pair, plain_
     ids = prompts(pair.tokenizer)[:2]
     proposer = DraftModelProposer(pair.draft_model, 2, 1024) if speculative else None
     engine = Engine(pair.target, pair.tokenizer, proposer, num_speculative_tokens=5 if speculative else 0,
-                    max_model_len=1024,
-                    max_batch_size=2)
+                    max_model_len=1024, max_batch_size=2)
     engine.chunk_budget.tokens = lambda batch_size: 7
     engine.planner.ride_pays = lambda tokens: way == "ride"
     rode, read = [], engine.planner.rode
@@ -243,8 +240,7 @@ def test_a_preempted_sequence_recomputes_its_tokens_bit_exactly(pair, plain_outp
     length = len(ids[0]) + len(ids[1]) + 32  # the context, and the pool's slots for rows: 32 to write, not 128
     proposer = DraftModelProposer(pair.draft_model, 2, length)
     engine = Engine(pair.target, pair.tokenizer, proposer, num_speculative_tokens=5, max_model_len=length,
-                    max_batch_size=2,
-                    row_tokens=length)
+                    max_batch_size=2, row_tokens=length)
     for i in range(2):
         engine.add_request(str(i), ids[i], params)
     finals, together = {}, False

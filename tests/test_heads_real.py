@@ -64,8 +64,7 @@ def record(llm, name: str) -> dict:
     proposer = (MedusaProposer(heads, vocab, shape, max_depth=k) if method == "medusa"
                 else EagleProposer(heads, vocab, batch, MAX_LEN, shape, max_depth=k))
     engine = Engine(llm.target, llm.tokenizer, proposer, num_speculative_tokens=k, max_model_len=MAX_LEN,
-                    max_batch_size=batch,
-                    adaptive=False)
+                    max_batch_size=batch, adaptive=False)
     steps = []
     propose = proposer.propose
 

@@ -92,9 +92,8 @@ def test_a_long_sequence_among_short_ones_keeps_every_output_exact(kind, k, pref
     pages, which count once, and runs beside it."""
     proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=4)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=MAX_LEN,
-                    max_batch_size=4,
-                    row_tokens=MAX_LEN, prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE, prefill_chunk=48,
-                    clock=step_clock())
+                    max_batch_size=4, row_tokens=MAX_LEN, prefix_cache_blocks=prefix_blocks, prefix_block_size=PAGE,
+                    prefill_chunk=48, clock=step_clock())
     assert engine.cache.batch_size == 4 and engine.cache.capacity >= MAX_LEN
     pool = engine.cache.num_pages
     batches = []
@@ -177,8 +176,8 @@ def test_pages_hold_finite_values_whatever_memory_the_pool_was_given(kind, k, mo
         patched.setattr(torch.Tensor, "new_empty", lambda t, *a, **kw: torch.Tensor.new_zeros(t, *a, **kw).fill_(float("nan")))
         proposer = None if kind == "plain" else make_proposer("fp32", kind, max_batch_size=4)
         engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=MAX_LEN,
-                        max_batch_size=4,
-                        row_tokens=MAX_LEN, prefix_cache_blocks=16, prefix_block_size=PAGE, prefill_chunk=48)
+                        max_batch_size=4, row_tokens=MAX_LEN, prefix_cache_blocks=16, prefix_block_size=PAGE,
+                        prefill_chunk=48)
     assert all(torch.isnan(kv[1:]).all() for kv in engine.cache.keys + engine.cache.values)
     requests = [(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                 for rid, prompt, n, _ in REQUESTS]
@@ -243,8 +242,7 @@ def test_long_rows_for_every_proposer_with_prefix_hits(kind):
 def test_one_row_takes_the_pages_a_long_request_needs():
     """A one-sequence engine (as `LLM.engine_for` makes for `specdec bench`): its row holds up to the context."""
     engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy"), num_speculative_tokens=3,
-                    max_model_len=MAX_LEN,
-                    row_tokens=MAX_LEN)
+                    max_model_len=MAX_LEN, row_tokens=MAX_LEN)
     assert engine.cache.batch_size == 1 and engine.cache.capacity >= MAX_LEN
     out = run(engine, [("long", LONG, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))])["long"]
     assert tuple(out.token_ids) == unbatched(LONG, 40)

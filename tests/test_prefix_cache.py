@@ -66,8 +66,7 @@ def make_engine(kind: str, chunk: int = 64, blocks: int = 0, batch: int = 2, blo
         tree = default_tree(k) if kind == "eagle tree" else None
         proposer = EagleProposer(random_head("eagle"), vocab, batch, MAX_LEN, tree, max_depth=k)
     return Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=k, max_model_len=MAX_LEN,
-                  max_batch_size=batch,
-                  prefill_chunk=chunk, prefix_cache_blocks=blocks, prefix_block_size=block, **kw)
+                  max_batch_size=batch, prefill_chunk=chunk, prefix_cache_blocks=blocks, prefix_block_size=block, **kw)
 
 
 def cold(kind: str, chunk: int, prompt, p: SamplingParams) -> list[int]:

@@ -103,8 +103,7 @@ def test_greedy_speculation_with_each_parameter_equals_plain(name, kind, k, adap
     p = params(name)
     for prompt in PROMPTS:
         engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", kind), num_speculative_tokens=k,
-                        adaptive=adaptive,
-                        max_model_len=MAX_LEN)
+                        adaptive=adaptive, max_model_len=MAX_LEN)
         out = run(engine, [("r", prompt, p)])["r"]
         expected = plain(prompt, p)
         assert (out.token_ids, out.finish_reason, out.stop_reason) == \
@@ -185,8 +184,7 @@ def test_greedy_logprobs_are_identical_with_and_without_speculation(kind, k):
     p = params("all penalties", logprobs=3)
     ref = plain(PROMPTS[0], p)
     engine = Engine(target("fp32"), FakeTokenizer(), None if kind == "plain" else make_proposer("fp32", kind),
-                    num_speculative_tokens=k,
-                    max_model_len=MAX_LEN)
+                    num_speculative_tokens=k, max_model_len=MAX_LEN)
     out = run(engine, [("r", PROMPTS[0], p)])["r"]
     assert out.token_ids == ref.token_ids
     assert_same_logprobs(out.logprobs, ref.logprobs)
@@ -235,8 +233,7 @@ def test_n_sequences_are_seeded_apart_and_best_of_keeps_the_likeliest():
     assert [c.seed for c in children] == [11, 12, 13, 14]
     assert [c.seed for c in fan_out(SamplingParams(seed=2**64 - 2, n=3))] == [2**64 - 2, 2**64 - 1, 0]
     engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "noisy copy", max_batch_size=4),
-                    num_speculative_tokens=3,
-                    max_model_len=MAX_LEN, max_batch_size=4)
+                    num_speculative_tokens=3, max_model_len=MAX_LEN, max_batch_size=4)
     finals = run(engine, [(f"s{i}", PROMPTS[2], c) for i, c in enumerate(children)])
     outs = [finals[f"s{i}"] for i in range(4)]
     assert len({tuple(o.token_ids) for o in outs}) > 1  # seeded apart
@@ -279,8 +276,7 @@ def sampled_pairs(broken: bool = False) -> torch.Tensor:
             logits, p, prompt, out, [[] for _ in drafted], stop)
     try:
         engine = Engine(target("fp32"), FakeTokenizer(), make_proposer("fp32", "self", max_batch_size=16),
-                        num_speculative_tokens=2,
-                        max_model_len=MAX_LEN, max_batch_size=16)
+                        num_speculative_tokens=2, max_model_len=MAX_LEN, max_batch_size=16)
         requests = [(str(i), DIST_PROMPT, SamplingParams(**{**SAMPLED.__dict__, "seed": 1000 + i}))
                     for i in range(RUNS)]
         finals = run(engine, requests)

@@ -163,8 +163,7 @@ def suffix_engine(k: int, adaptive: bool = False, tree: bool = False, batch: int
     False: the default of a served model.)"""
     proposer = SuffixProposer(SuffixCache(depth, cached, share_unsalted), tree=tree)
     engine = Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=k, adaptive=adaptive,
-                    max_model_len=MAX_LEN,
-                    max_batch_size=batch)
+                    max_model_len=MAX_LEN, max_batch_size=batch)
     if adaptive:
         engine.controller.costs = SpeculationPays()  # the controller's choices do not depend on this machine's speed
     return engine

@@ -82,8 +82,8 @@ class Engine:
         self.prefix_cache = PrefixCache(caches, config.cache.prefix_cache_blocks, config.cache.prefix_block_size,
                                         mapped, prefix_disk) if config.cache.prefix_cache_blocks > 0 else None
         pages = PrefixPages(self.prefix_cache, caches)
-        self.scheduler = Scheduler(sched.max_batch_size, list(caches.values()), need=lambda seq: len(seq.tokens) + widest,
-                                   shared=pages.shared, pinned=pages.pinned)
+        self.scheduler = Scheduler(sched.max_batch_size, list(caches.values()),
+                                   need=lambda seq: len(seq.tokens) + widest, shared=pages.shared, pinned=pages.pinned)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.metrics = SpecMetrics()  # cumulative
         self._aborted: set[str] = set()

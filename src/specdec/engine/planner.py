@@ -72,7 +72,9 @@ class StepPlanner:
                 return None
             running, waiting = self.scheduler.running, self.scheduler.waiting
             batch = Joining(running, min(self.scheduler.max_batch_size, len(running) + 1 + len(waiting)))
-            if started and prefill.caches_prefix(seq) and self.failures.isolated(seq, prefill.restore, seq, batch) is None:
+            failed = started and prefill.caches_prefix(seq) and \
+                self.failures.isolated(seq, prefill.restore, seq, batch) is None  # (started from the prefix cache)
+            if failed:
                 self.release(seq)
                 continue
             if decoding and self.chunk_budget is not None:
