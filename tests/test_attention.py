@@ -101,7 +101,7 @@ def softmax_attention(q, keys, values, visible, key_index=None):
 
 def on_tiles(dtype, D) -> bool:
     """Whether this build computes bf16 attention of head size D on the tile unit (the AMX build:
-    kernels/csrc/ops/attention_tiles.h), whose recipe (the unit's dot products, weights rounded to bf16) has
+    kernels/csrc/amx/attention.h), whose recipe (the unit's dot products, weights rounded to bf16) has
     bits of its own; every other call is `reference_attention`'s recipe."""
     return dtype == torch.bfloat16 and qgemm.ops().attention_tiles(D)
 

@@ -93,7 +93,7 @@ def record(llm, name: str) -> dict:
 @pytest.fixture(scope="module")
 def llm():
     """The target. The drafts were recorded under the portable attention recipe: where this machine's default
-    build computes bf16 attention on AMX tiles (bits of their own: kernels/csrc/ops/attention_tiles.h), the
+    build computes bf16 attention on AMX tiles (bits of their own: kernels/csrc/amx/attention.h), the
     module runs on the AVX-512 VNNI build instead (the same matrix products' bits, the portable attention's)."""
     from specdec import LLM
     from specdec.kernels import qgemm

@@ -1,11 +1,12 @@
 """The native libraries are built at install (setup.py), so nothing needs a compiler at run time: with none
 reachable (no cc, c++, gcc, g++ or clang on PATH; CC and CXX pointing at `false`; an empty torch extension
 cache), a subprocess runs the block kernels of this CPU's build and of the portable one, the int8 kernel and the
-suffix trie. And the table of block formats in C++ is the one qgemm.py states."""
+suffix trie. And the table of block formats in C++ is the one qgemm.py states, and the C++ has one SIMD layer."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,3 +80,38 @@ def test_the_kernel_tests_pass_under_every_other_vector_build_this_cpu_runs(tmp_
                              cwd=root, env=env, capture_output=True, text=True, timeout=1200)
         assert run.returncode == 0, (isa, run.stdout[-3000:], run.stderr[-2000:])
         assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-500:]
+
+
+# One SIMD layer (issue 62, after ggml-cpu): the compiler's instruction-set macros are tested, and vector types
+# named, only in the vector layer (isa/), the per-architecture forms of the ops' kernels (arch/) and the AMX
+# kernel set (amx/); everywhere else the code reads what the layer says (SPECDEC_AVX2, SPECDEC_Z512, kMaxRows).
+SIMD_FOLDERS = ("isa", "arch", "amx")
+ISA_TEST = re.compile(r"^\s*#\s*(?:if|ifdef|ifndef|elif)\b.*\b__(?:AVX|AMX|F16C|FMA|SSE)\w*", re.M)
+VECTOR_TYPE = re.compile(r"\b(?:typedef|using)\b[^;]*\b__m(?:128|256|512)\w*|vector_size", re.M)
+FORMAT_HEADER = re.compile(r'^\s*#\s*include\s*"[^"]*(?:quant/|repack/|formats?\.h)', re.M)
+
+
+def simd_outside_the_layer(rel: str, text: str) -> list[str]:
+    """`rel:line: text` for each instruction-set test or vector type in a file outside the SIMD folders, and for
+    each block format an isa/ file includes (the layer knows no format)."""
+    folder = rel.split("/")[0]
+    rules = [FORMAT_HEADER] if folder == "isa" else [] if folder in SIMD_FOLDERS else [ISA_TEST, VECTOR_TYPE]
+    return [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0).strip()}"
+            for rule in rules for m in rule.finditer(text)]
+
+
+def test_instruction_sets_are_read_only_in_the_simd_layer():
+    files = sorted(p for p in native.CSRC.rglob("*") if p.suffix in (".h", ".cpp"))
+    assert any(p.parent.name == "ops" for p in files) and any(p.parent.name == "isa" for p in files)
+    found = [hit for p in files for hit in simd_outside_the_layer(p.relative_to(native.CSRC).as_posix(), p.read_text())]
+    assert found == []
+
+
+def test_the_simd_layer_check_catches_what_it_forbids():
+    assert len(simd_outside_the_layer("ops/x.cpp", "#if defined(__AVX2__)\n#elif defined(__AVX512F__) && 1\n")) == 2
+    assert simd_outside_the_layer("quant/x.h", "#ifdef __F16C__\n  using V = __m256;\n") == [
+        "quant/x.h:1: #ifdef __F16C__", "quant/x.h:2: using V = __m256"]
+    assert simd_outside_the_layer("acts.h", "typedef float v8 __attribute__((vector_size(32)));") != []
+    assert simd_outside_the_layer("isa/amx.h", '#include "../quant/q6_k.h"\n') == ['isa/amx.h:1: #include "../quant/']
+    assert simd_outside_the_layer("ops/x.cpp", "#if defined(SPECDEC_Z512)\n  __m512 a = f(); // __AVX2__\n") == []
+    assert simd_outside_the_layer("arch/x.h", "#if defined(__AVX2__)\nusing V = __m256;\n") == []

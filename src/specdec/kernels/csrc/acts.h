@@ -1,5 +1,6 @@
 #pragma once
 #include "isa/vec.h"
+#include "arch/acts.h"
 
 namespace SPECDEC_QLIB {
 namespace {
@@ -82,8 +83,8 @@ struct Rows {
 
 // One row, one block: scale = amax / 127, q = round-half-even(x * 127 / amax), in [-127, 127], and the sums of
 // every 16 quants. Elementwise IEEE operations only (the maximum is order-free; where x holds a NaN, it is
-// skipped by the maximum and becomes -127, in both forms), so the vector form below gives the bytes of the
-// scalar one.
+// skipped by the maximum and becomes -127, in both forms), so the vector forms (arch/acts.h) give the bytes of
+// the scalar one.
 inline void quantize_block_scalar(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
   float amax = 0.f;
   for (int64_t i = 0; i < bs; ++i) amax = std::max(amax, std::fabs(x[i]));
@@ -101,69 +102,12 @@ inline void quantize_block_scalar(const float* x, int64_t bs, int8_t* q, int16_t
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
 inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
-  __m512 mx = _mm512_setzero_ps();
-  for (int64_t i = 0; i < bs; i += 16) mx = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), mx);  // NaN: mx
-  const float amax = _mm512_reduce_max_ps(mx);
-  const float id = amax > 0.f ? 127.f / amax : 0.f;
-  *d = amax / 127.f;
-  const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  for (int64_t g = 0; g < bs / 16; ++g) {
-    __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * g), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);  // NaN: -127, as the scalar form
-    const __m512i w = _mm512_cvtps_epi32(v);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g), _mm512_cvtepi32_epi8(w));
-    s[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(w));
-  }
+  if (!quantize_block_vec(x, bs, q, s, d)) quantize_block_scalar(x, bs, q, s, d);  // arch/acts.h
 }
-#elif defined(__AVX2__)
-inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 mx = _mm256_setzero_ps();
-  for (int64_t i = 0; i < bs; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), mx);  // NaN: mx
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
-  const float id = amax > 0.f ? 127.f / amax : 0.f;
-  *d = amax / 127.f;
-  const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  for (int64_t g = 0; g < bs / 16; ++g) {
-    __m256i w[2];
-    for (int k = 0; k < 2; ++k) {
-      __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * g + 8 * k), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);  // NaN: -127, as the scalar form
-      w[k] = _mm256_cvtps_epi32(v);
-    }
-    // 16 int32 in [-127, 127] -> 16 bytes, in order (the packs work within 128-bit lanes: fix the order after)
-    const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(w[0], w[1]), 0xD8);
-    const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g), p8);
-    __m256i t = _mm256_add_epi32(w[0], w[1]);
-    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-    s[g] = static_cast<int16_t>(_mm_cvtsi128_si32(t4));
-  }
-}
-#else
-inline void quantize_block(const float* x, int64_t bs, int8_t* q, int16_t* s, float* d) { quantize_block_scalar(x, bs, q, s, d); }
-#endif
 
 inline void bf16_to_f32(const at::BFloat16* x, int64_t n, float* y) {
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  for (; k + 16 <= n; k += 16) {
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)));
-    _mm512_storeu_ps(y + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-  }
-#elif defined(__AVX2__)
-  for (; k + 8 <= n; k += 8) {
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)));
-    _mm256_storeu_ps(y + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-  }
-#endif
+  int64_t k = bf16_to_f32_vec(x, n, y);  // arch/acts.h
   for (; k < n; ++k) y[k] = static_cast<float>(x[k]);
 }
 
@@ -206,7 +150,7 @@ void quantize_rows(const at::Tensor& x, int64_t bs, Acts& a, int orders = kOrder
     }
   });
   a.M = M;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(SPECDEC_Z512)
   a.qg.clear();
   a.sg.clear();
   a.qp.clear();

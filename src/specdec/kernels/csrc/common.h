@@ -1,5 +1,5 @@
-// Shared by every file of the kernels: includes, the row groups, fp16, the fp32 steps of the k-quants,
-// prefetching.
+// Shared by every file of the kernels: includes, the fp32 steps of the k-quants, prefetching. (What depends on
+// the instruction set, the row groups and fp16 included, is the vector layer's: isa/vec.h.)
 #pragma once
 
 #include <torch/library.h>
@@ -19,15 +19,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(SPECDEC_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #ifndef SPECDEC_QLIB
 #define SPECDEC_QLIB specdec_qgemm
@@ -35,31 +28,6 @@
 
 namespace SPECDEC_QLIB {
 namespace {
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr int kMaxRows = 12;  // 32 vector registers: the k-quants' fixed lanes keep one a row (two trees: 8 and
-                               // the rest); the 32-value types run a group of more than 8 rows as two
-#else
-constexpr int kMaxRows = 4;
-#endif
-
-// The rows of a call go in groups of at most kMaxRows, as even as can be (16 rows: 8 + 8, not 12 + 4; 9:
-// 9): a group shares each weight block, and a large group's rows cost more each (registers run short).
-inline int64_t row_groups(int64_t M) { return (M + kMaxRows - 1) / kMaxRows; }
-inline int64_t group_start(int64_t M, int64_t g) {  // the first `M % groups` groups take one row more
-  const int64_t G = row_groups(M);
-  return g * (M / G) + std::min(g, M % G);
-}
-
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
 
 // One k-quant block's fp32 step for a (row, channel), from its exact integers; every path of every build
 // computes exactly these operations (vectorized ones lane by lane): f + (S * (dx d) - Mn * (dx dmin)), the

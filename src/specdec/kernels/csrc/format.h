@@ -28,26 +28,17 @@ struct Format {
   Dot2Fn (*dot2)(int rows);  // two channels at a time, or nullptr (not offered, or not chosen for `rows`)
 };
 
-// A kernel family's `K::dot<R>()` for a run-time row count.
+// A kernel family's `K::dot<R>()` for a run-time row count: R = 1 .. kMaxRows (the build's, isa/vec.h), else
+// nullptr.
+template <typename K, int... R>
+DotFn by_rows_of(int rows, std::integer_sequence<int, R...>) {
+  DotFn fn = nullptr;
+  ((rows == R + 1 ? (fn = K::template dot<R + 1>(), 0) : 0), ...);
+  return fn;
+}
 template <typename K>
 DotFn by_rows(int rows) {
-  switch (rows) {
-    case 1: return K::template dot<1>();
-    case 2: return K::template dot<2>();
-    case 3: return K::template dot<3>();
-    case 4: return K::template dot<4>();
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    case 5: return K::template dot<5>();
-    case 6: return K::template dot<6>();
-    case 7: return K::template dot<7>();
-    case 8: return K::template dot<8>();
-    case 9: return K::template dot<9>();
-    case 10: return K::template dot<10>();
-    case 11: return K::template dot<11>();
-    case 12: return K::template dot<12>();
-#endif
-  }
-  return nullptr;
+  return by_rows_of<K>(rows, std::make_integer_sequence<int, kMaxRows>());
 }
 // The 16-channel layouts' kernels: groups of 1 to 4 rows.
 template <typename K>

@@ -21,7 +21,7 @@
 // per ISA build).
 
 #include "formats.h"
-#include "isa/amx.h"
+#include "amx/k_quants.h"
 #include "ops.h"
 
 namespace SPECDEC_QLIB {

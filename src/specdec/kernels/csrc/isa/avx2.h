@@ -2,6 +2,10 @@
 #pragma once
 #include "../common.h"
 
+#include <immintrin.h>
+
+#define SPECDEC_AVX2 1  // the 32-byte vectors are these: kernels written on them may use AVX2's own intrinsics
+
 namespace SPECDEC_QLIB {
 namespace {
 

@@ -1,7 +1,8 @@
 #pragma once
-#include "vec.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "avx2.h"
+
 // The same kernels on 512-bit vectors: one zmm holds what the 256-bit code keeps in its two chains
 // (lanes 0-7: acc / even blocks, lanes 8-15: acc2 / odd blocks), so every integer lane, and every fp32
 // lane after the halves are added, is the value the 256-bit code computes: the same bits, half the

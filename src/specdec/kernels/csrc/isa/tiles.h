@@ -1,8 +1,13 @@
-// The AMX tile unit's set-up, shared by the k-quants' tiles (isa/amx.h) and attention's (ops/attention_tiles.h).
+// The AMX tile unit's set-up, shared by the AMX kernel set's k-quant tiles
+// (amx/k_quants.h) and attention tiles (amx/attention.h).
 #pragma once
 #include "../common.h"
 
 #if defined(SPECDEC_AMX)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 namespace SPECDEC_QLIB {
 namespace {
 

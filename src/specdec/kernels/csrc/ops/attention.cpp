@@ -1,7 +1,7 @@
 // Attention over the K/V cache on CPU: decode, verification (chains and trees) and prefill through one
 // implementation, tiled over keys, grouped-query aware, exact and row-invariant.
 //
-// What a query computes (this defines its bits, but for bf16 on the AMX build's tiles: attention_tiles.h;
+// What a query computes (this defines its bits, but for bf16 on the AMX build's tiles: amx/attention.h;
 // `reference_attention` in tests/test_attention.py is the same recipe written in torch). Its visible keys,
 // in order (slot j, or key_index[j], for each visible j), are numbered by rank r = 0, 1, ..., n - 1 and cut
 // into blocks of kBlock ranks. Then
@@ -14,9 +14,9 @@
 //   out[d]   = acc[d] / sum (0 when the query sees no key), rounded to q's dtype.
 // Nothing in it depends on the other queries of the call, their number, where the query's row sits, the
 // masked or padded slots, the chunk of prefill, the thread count or the instruction set: every build
-// computes the same operations (the AVX2 code is the portable loops' order, vectorized), so every build,
-// batch and thread count gives the same bits (bf16 on the AMX build: that build's bits, with the same
-// invariances, attention_tiles.h).
+// computes the same operations (the vector forms, arch/attention.h and isa/f32.h, are the portable loops'
+// order, vectorized), so every build, batch and thread count gives the same bits (bf16 on the AMX build: that
+// build's bits, with the same invariances, amx/attention.h).
 //
 // How it runs. A work item is one sequence's rows (up to kRowBlock of them) and one K/V head: its G x rows
 // query vectors. Block c of a query whose keys there are slots s0, s0 + 1, ... (a causal prefix: every
@@ -34,6 +34,7 @@
 // each read as its values q * d: in fp32 here (exactly), in bf16 on the tiles.
 #include "../common.h"
 #include "../ops.h"
+#include "../arch/attention.h"
 #include "kv_quant.h"
 
 #include <ATen/Parallel.h>
@@ -49,10 +50,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace SPECDEC_QLIB {
 namespace {
 
@@ -67,280 +64,30 @@ inline void to_f32(const at::BFloat16* x, float* y, int64_t n) {  // bf16 -> fp3
   for (int64_t i = 0; i < n; ++i) v[i] = static_cast<uint32_t>(u[i]) << 16;
 }
 
-inline float reduce8(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
-
 inline float dot8(const float* a, const float* b, int64_t D) {  // the portable dot product
   float l[8] = {};
   int64_t i = 0;
   for (; i + 8 <= D; i += 8)
     for (int k = 0; k < 8; ++k) l[k] += a[i + k] * b[i + k];
   for (int k = 0; i + k < D; ++k) l[k] += a[i + k] * b[i + k];
-  return reduce8(l);
+  return reduce8f(l);
 }
-
-// exp(x) for x <= 0 (scores less their maximum), in place: Cephes' expf (2^n times a degree-6 polynomial
-// on [-ln2/2, ln2/2], within 2 ulp), in basic operations only, so that every build computes the same bits
-// (std::exp is a library call, scalar); the AVX2 loop does the same operations, 8 at a time.
-inline float exp_one(float x) {
-  const float v = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal float
-  const float r = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(v / ln2)
-  float f = v - r * 0.693359375f;  // v - r * ln2, ln2 in two parts
-  f = f - r * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = (p * (f * f) + f) + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(r) + 127) << 23;  // 2^r
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-#if defined(__AVX2__)
-// The fp32 vectors that `exp_nonpositive` and `weigh_tile` run on: 8 lanes (AVX2) or, on the 512-bit builds,
-// 16; every operation lane by lane, multiplies and adds never fused.
-struct F8 {
-  using V = __m256;
-  static constexpr int kLanes = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V at_least(V x, V c) { return _mm256_blendv_ps(x, c, _mm256_cmp_ps(x, c, _CMP_LT_OQ)); }  // x < c ? c : x
-  static V pow2(V r) {  // 2^r for whole r in the normal range
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127)), 23));
-  }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-};
-#endif
-#if defined(__AVX512F__)
-struct F16 {
-  using V = __m512;
-  static constexpr int kLanes = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V at_least(V x, V c) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, c, _CMP_LT_OQ), x, c); }
-  static V pow2(V r) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(r), _mm512_set1_epi32(127)), 23));
-  }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-};
-#endif
-
-#if defined(__AVX2__)
-// `exp_one` on the F::kLanes lanes of a vector.
-template <typename F>
-inline typename F::V exp_vec(typename F::V x) {
-  using V = typename F::V;
-  const auto c = F::set1;
-  const V v = F::at_least(x, c(-87.0f));
-  const V r = F::sub(F::add(F::mul(v, c(1.44269504088896341f)), c(12582912.0f)), c(12582912.0f));
-  V f = F::sub(v, F::mul(r, c(0.693359375f)));
-  f = F::sub(f, F::mul(r, c(-2.12194440e-4f)));
-  V p = c(1.9875691500e-4f);
-  p = F::add(F::mul(p, f), c(1.3981999507e-3f));
-  p = F::add(F::mul(p, f), c(8.3334519073e-3f));
-  p = F::add(F::mul(p, f), c(4.1665795894e-2f));
-  p = F::add(F::mul(p, f), c(1.6666665459e-1f));
-  p = F::add(F::mul(p, f), c(5.0000001201e-1f));
-  p = F::add(F::add(F::mul(p, F::mul(f, f)), f), c(1.0f));
-  return F::mul(p, F::pow2(r));
-}
-
-// `exp_one` on x[i ..], F::kLanes at a time, as far as whole vectors go; returns where it stopped.
-template <typename F>
-inline int64_t exp_vectors(float* x, int64_t i, int64_t n) {
-  for (; i + F::kLanes <= n; i += F::kLanes) F::store(x + i, exp_vec<F>(F::load(x + i)));
-  return i;
-}
-#endif
-
-inline void exp_nonpositive(float* x, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  i = exp_vectors<F16>(x, i, n);
-#endif
-#if defined(__AVX2__)
-  i = exp_vectors<F8>(x, i, n);
-#endif
-  for (; i < n; ++i) x[i] = exp_one(x[i]);
-}
-
-#if defined(__AVX2__)
-// The lane sums ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) of four accumulators, as `reduce8` adds them.
-inline __m128 reduce4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 h01 = _mm256_hadd_ps(a0, a1);  // [a0 l0+l1, a0 l2+l3, a1 .., a1 .. | a0 l4+l5, a0 l6+l7, a1 .., a1 ..]
-  const __m256 h23 = _mm256_hadd_ps(a2, a3);
-  const __m256 h = _mm256_hadd_ps(h01, h23);  // [a0..a3 (l0+l1)+(l2+l3) | a0..a3 (l4+l5)+(l6+l7)]
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-#endif
-
-#if defined(__AVX2__)
-// NQ queries x NK keys of `score_block` (NQ * NK a multiple of 4, at most 12: the accumulators stay in
-// registers; each key's vector is loaded once for the NQ queries).
-template <int NQ, int NK>
-inline void score_tile(const float* q, const float* k, int64_t D, __m128 scale, float* s, int64_t ld) {
-  __m256 a[NQ * NK];
-#pragma GCC unroll 16
-  for (int x = 0; x < NQ * NK; ++x) a[x] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 kv[NK];
-#pragma GCC unroll 16
-    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k + j * D + d);
-#pragma GCC unroll 16
-    for (int i = 0; i < NQ; ++i) {
-      const __m256 x = _mm256_loadu_ps(q + i * D + d);
-#pragma GCC unroll 16
-      for (int j = 0; j < NK; ++j) a[i * NK + j] = _mm256_add_ps(a[i * NK + j], _mm256_mul_ps(x, kv[j]));
-    }
-  }
-  float out[NQ * NK];
-#pragma GCC unroll 16
-  for (int x = 0; x < NQ * NK; x += 4)
-    _mm_storeu_ps(out + x, _mm_mul_ps(reduce4x8(a[x], a[x + 1], a[x + 2], a[x + 3]), scale));
-  for (int i = 0; i < NQ; ++i)
-    for (int j = 0; j < NK; ++j) s[i * ld + j] = out[i * NK + j];
-}
-
-// NQ queries x NV vectors of dims of `weigh_block` (NQ * NV accumulators in registers; each value vector
-// loaded once): every dim's products added in key order, whatever the vector width.
-template <typename F, int NQ, int NV>
-inline void weigh_tile(const float* e, int64_t ld, const float* v, int64_t len, int64_t D, float* acc,
-                       int64_t stride) {
-  using V = typename F::V;
-  V a[NQ * NV];
-#pragma GCC unroll 32
-  for (int x = 0; x < NQ * NV; ++x) a[x] = F::zero();
-  for (int64_t j = 0; j < len; ++j) {
-    V vv[NV];
-#pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) vv[c] = F::load(v + j * D + F::kLanes * c);
-#pragma GCC unroll 16
-    for (int i = 0; i < NQ; ++i) {
-      const V p = F::set1(e[i * ld + j]);
-#pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) a[i * NV + c] = F::add(a[i * NV + c], F::mul(p, vv[c]));
-    }
-  }
-#pragma GCC unroll 32
-  for (int i = 0; i < NQ; ++i)
-#pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) F::store(acc + i * stride + F::kLanes * c, a[i * NV + c]);
-}
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-// The same tiles on 512-bit vectors, the same operations lane for lane: in `score_tile_z` a zmm holds two
-// keys' 8 lanes (keys 2p and 2p + 1 of the tile: halves 0 and 1), each lane adding its products in the order
-// of `score_tile`, and its halves reduced by `reduce4x8` (`weigh_tile` on `F16`: a zmm holds 16 dims). Half
-// the arithmetic instructions of the 256-bit tiles, and twice the keys (or dims) a tile: the bits do not change.
-template <int NQ, int NP>  // NQ queries x 2 * NP keys
-inline void score_tile_z(const float* q, const float* k, int64_t D, __m128 scale, float* s, int64_t ld) {
-  __m512 a[NQ * NP];
-#pragma GCC unroll 32
-  for (int x = 0; x < NQ * NP; ++x) a[x] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    __m512 kv[NP];
-#pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p)
-      kv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k + 2 * p * D + d)),
-                                 _mm256_loadu_ps(k + (2 * p + 1) * D + d), 1);
-#pragma GCC unroll 16
-    for (int i = 0; i < NQ; ++i) {
-      const __m512 x = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + i * D + d));
-#pragma GCC unroll 16
-      for (int p = 0; p < NP; ++p) a[i * NP + p] = _mm512_add_ps(a[i * NP + p], _mm512_mul_ps(x, kv[p]));
-    }
-  }
-  constexpr int NK = 2 * NP;
-  static_assert(NK % 4 == 0, "score_tile_z: whole groups of 4 keys");
-#pragma GCC unroll 16
-  for (int i = 0; i < NQ; ++i)
-#pragma GCC unroll 16
-    for (int p = 0; p < NP; p += 2) {  // keys 2p .. 2p + 3 of query i
-      const __m512 u = a[i * NP + p], w = a[i * NP + p + 1];
-      const __m128 r = reduce4x8(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1), _mm512_castps512_ps256(w),
-                                 _mm512_extractf32x8_ps(w, 1));
-      _mm_storeu_ps(s + i * ld + 2 * p, _mm_mul_ps(r, scale));
-    }
-}
-#endif
 
 // s[i * ld + j] = dot(q_i, k_j) * scale for `nq` query vectors q [nq, D] and `len` keys k [len, D].
 void score_block(const float* q, int64_t nq, const float* k, int64_t len, int64_t D, float scale, float* s,
                  int64_t ld) {
-  int64_t i = 0;
   const auto tail = [&](int64_t i0, int64_t i1, int64_t j) {  // keys [j, len) of queries [i0, i1)
     for (int64_t x = i0; x < i1; ++x)
       for (int64_t y = j; y < len; ++y) s[x * ld + y] = dot8(q + x * D, k + y * D, D) * scale;
   };
-#if defined(__AVX2__)
-  if (D % 8 == 0) {
-    const __m128 sc = _mm_set1_ps(scale);
-    for (; i + 6 <= nq; i += 6) {  // the real target's 6 query heads of a K/V head
-      int64_t j = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-      for (; j + 8 <= len; j += 8) score_tile_z<6, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
-#endif
-      for (; j + 2 <= len; j += 2) score_tile<6, 2>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
-      tail(i, i + 6, j);
-    }
-    for (; i + 2 <= nq; i += 2) {
-      int64_t j = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-      for (; j + 8 <= len; j += 8) score_tile_z<2, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
-#endif
-      for (; j + 4 <= len; j += 4) score_tile<2, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
-      tail(i, i + 2, j);
-    }
-    for (; i < nq; ++i) {
-      int64_t j = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-      for (; j + 8 <= len; j += 8) score_tile_z<1, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
-#endif
-      for (; j + 4 <= len; j += 4) score_tile<1, 4>(q + i * D, k + j * D, D, sc, s + i * ld + j, ld);
-      tail(i, i + 1, j);
-    }
-  }
-#endif
+  const int64_t i = score_rows(q, nq, k, len, D, scale, s, ld, tail);  // the vector tiles (arch/attention.h)
   tail(i, nq, 0);
 }
 
 // acc[i * stride + d] = sum over j < len, in order, of e[i * ld + j] * v[j * D + d] (from 0), for nq queries.
 void weigh_block(const float* e, int64_t ld, int64_t nq, const float* v, int64_t len, int64_t D, float* acc,
                  int64_t stride) {
-  int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  if (D % 64 == 0) {
-    for (; i + 6 <= nq; i += 6)
-      for (int64_t d = 0; d < D; d += 64) weigh_tile<F16, 6, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
-    for (; i + 2 <= nq; i += 2)
-      for (int64_t d = 0; d < D; d += 64) weigh_tile<F16, 2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
-    for (; i < nq; ++i)
-      for (int64_t d = 0; d < D; d += 64) weigh_tile<F16, 1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
-  }
-#endif
-#if defined(__AVX2__)
-  if (D % 16 == 0)
-    for (; i + 6 <= nq; i += 6)
-      for (int64_t d = 0; d < D; d += 16) weigh_tile<F8, 6, 2>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
-  if (D % 32 == 0) {
-    for (; i + 2 <= nq; i += 2)
-      for (int64_t d = 0; d < D; d += 32) weigh_tile<F8, 2, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
-    for (; i < nq; ++i)
-      for (int64_t d = 0; d < D; d += 32) weigh_tile<F8, 1, 4>(e + i * ld, ld, v + d, len, D, acc + i * stride + d, stride);
-  }
-#endif
+  int64_t i = weigh_rows(e, ld, nq, v, len, D, acc, stride);  // the vector tiles (arch/attention.h)
   for (; i < nq; ++i) {
     float* a = acc + i * stride;
     std::fill(a, a + D, 0.f);
@@ -499,7 +246,7 @@ void for_each_tile(const Call<T>& a, const void* base, const Item& it, int64_t c
 }  // namespace
 }  // namespace SPECDEC_QLIB
 
-#include "attention_tiles.h"
+#include "../amx/attention.h"
 
 namespace SPECDEC_QLIB {
 namespace {
@@ -657,7 +404,7 @@ void attend(const Call<T>& a, int64_t B) {
 
 }  // namespace
 
-// Whether bf16 attention with heads of `head_dim` runs on the tile unit here (attention_tiles.h: its own bits).
+// Whether bf16 attention with heads of `head_dim` runs on the tile unit here (amx/attention.h: its own bits).
 bool attention_tiles(int64_t head_dim) {
 #if defined(SPECDEC_AMX)
   return attention_on_tiles(head_dim);

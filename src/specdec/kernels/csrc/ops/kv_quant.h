@@ -5,7 +5,7 @@
 // row is encoded alone, so a token's bytes do not depend on the pass that wrote it (`q8_encode` in Python
 // computes the same IEEE operations: tests/test_attention.py compares them bit for bit).
 #pragma once
-#include "../common.h"
+#include "../arch/kv_quant.h"
 
 namespace SPECDEC_QLIB {
 namespace {
@@ -13,14 +13,6 @@ namespace {
 constexpr int64_t kQ8Block = 32;
 
 inline int64_t q8_row_bytes(int64_t D) { return D + D / kQ8Block * 2; }
-
-inline float half_bits_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
 
 inline void q8_encode(const float* x, int64_t D, char* row) {
   int8_t* q = reinterpret_cast<int8_t*>(row);
@@ -37,27 +29,15 @@ inline void q8_encode(const float* x, int64_t D, char* row) {
   }
 }
 
-// a block's 32 values q * d, 16 (AVX-512) or 8 (AVX2) at a time, else one by one: the same products
+// a block's 32 values q * d, 16 (AVX-512) or 8 (AVX2) at a time (arch/kv_quant.h), else one by one: the same
+// products
 inline void q8_block_f32(const int8_t* q, float d, float* out) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i < kQ8Block; i += 16) {
-    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(d)));
-  }
-#elif defined(__AVX2__)
-  for (; i < kQ8Block; i += 8) {
-    const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(d)));
-  }
-#endif
+  int64_t i = q8_block_f32_vec(q, d, out, kQ8Block);
   for (; i < kQ8Block; ++i) out[i] = static_cast<float>(q[i]) * d;
 }
 
 inline float q8_scale(const char* row, int64_t D, int64_t b) {
-  uint16_t bits;
-  std::memcpy(&bits, row + D + 2 * b, 2);
-  return half_bits_to_float(bits);
+  return fp16(reinterpret_cast<const uint8_t*>(row + D + 2 * b));
 }
 
 inline void q8_to_f32(const char* row, float* out, int64_t D) {
@@ -70,13 +50,7 @@ inline void q8_to_bf16(const char* row, uint16_t* out, int64_t D) {
   const int8_t* q = reinterpret_cast<const int8_t*>(row);
   for (int64_t b = 0; b < D / kQ8Block; ++b) {
     const float d = q8_scale(row, D, b);
-#if defined(__AVX512BF16__)
-    for (int64_t i = 0; i < kQ8Block; i += 16) {  // (VCVTNEPS2BF16: to nearest even, as below)
-      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kQ8Block + i)));
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(d)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kQ8Block + i), reinterpret_cast<const __m256i&>(h));
-    }
-#else
+    if (q8_block_bf16_vec(q + b * kQ8Block, d, out + b * kQ8Block, kQ8Block) == kQ8Block) continue;  // AVX-512 BF16
     alignas(64) float f[kQ8Block];
     q8_block_f32(q + b * kQ8Block, d, f);
     for (int64_t i = 0; i < kQ8Block; ++i) {
@@ -84,7 +58,6 @@ inline void q8_to_bf16(const char* row, uint16_t* out, int64_t D) {
       std::memcpy(&u, f + i, 4);
       out[b * kQ8Block + i] = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
-#endif
   }
 }
 

@@ -3,7 +3,7 @@
 // `requantize_q4_0`.
 #pragma once
 #include "../format.h"
-#include "../isa/avx512.h"
+#include "../isa/vec.h"
 #include "../ops.h"
 
 namespace SPECDEC_QLIB {

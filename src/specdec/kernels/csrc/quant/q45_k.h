@@ -3,7 +3,7 @@
 // SPECDEC_Z512), and their `Format` entries.
 #pragma once
 #include "../format.h"
-#include "../isa/avx512.h"
+#include "../isa/vec.h"
 
 namespace SPECDEC_QLIB {
 namespace {

@@ -2,7 +2,7 @@
 // products on every build (AVX2 / portable: `dot_q6k`; 512-bit: under SPECDEC_Z512), and its `Format` entry.
 #pragma once
 #include "../format.h"
-#include "../isa/avx512.h"
+#include "../isa/vec.h"
 
 namespace SPECDEC_QLIB {
 namespace {

@@ -128,7 +128,7 @@ void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, f[r]);
 }
-#elif defined(__AVX2__)
+#elif defined(SPECDEC_AVX2)
 // AVX2: the 16 channels as two halves of 8 (bytes 32h.. of each register): side by side for one or two rows
 // (one pass over the weights, which a single row reads from memory), one after the other for 3 or 4 (their
 // sums would not fit the registers). maddubs puts 2 products into each i16 lane; a sub-block's 8 registers
@@ -200,7 +200,7 @@ void dot_q4kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 struct Q4kX16 {
   template <int R>
   static DotFn dot() {
-#if defined(SPECDEC_Z512) || defined(__AVX2__)
+#if defined(SPECDEC_Z512) || defined(SPECDEC_AVX2)
     return &dot_q4kx16<R>;
 #else
     return &dot_q4kx16_scalar<R>;

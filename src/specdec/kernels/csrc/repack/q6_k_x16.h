@@ -125,7 +125,7 @@ void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, f[r]);
 }
-#elif defined(__AVX2__)
+#elif defined(SPECDEC_AVX2)
 // AVX2: two halves of 8 channels, side by side for one or two rows, else one after the other (as Q4_K's).
 // The quants (0..63) times the activations by maddubs, two registers of a sub-block added in i16 (at most
 // 4 x 63 x 127 = 32004), then one madd by the sub-block's signed scale; the offset enters once a block as -32
@@ -200,7 +200,7 @@ void dot_q6kx16(const uint8_t* w, int64_t nb, const Acts& a, int64_t m0, float* 
 struct Q6kX16 {
   template <int R>
   static DotFn dot() {
-#if defined(SPECDEC_Z512) || defined(__AVX2__)
+#if defined(SPECDEC_Z512) || defined(SPECDEC_AVX2)
     return &dot_q6kx16<R>;
 #else
     return &dot_q6kx16_scalar<R>;

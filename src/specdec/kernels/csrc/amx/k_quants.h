@@ -1,8 +1,10 @@
 // The AMX tile unit (Sapphire Rapids and later) for the k-quants: `amx_channels`, used by qmm for many rows.
+// Part of the AMX kernel set (amx/: the `avx512amx` build only): it reads the k-quants' blocks (quant/), so it
+// lives here rather than in the instruction-set layer (isa/tiles.h: the unit's set-up, which knows no format).
 #pragma once
+#include "../isa/tiles.h"
 #include "../quant/q45_k.h"
 #include "../quant/q6_k.h"
-#include "tiles.h"
 
 #if defined(SPECDEC_AMX)
 namespace SPECDEC_QLIB {

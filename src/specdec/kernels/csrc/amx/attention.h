@@ -1,5 +1,7 @@
 // bf16 attention on the AMX tile unit (the `avx512amx` build, bf16 K/V, head sizes a multiple of 32): a
 // block's scores and its weighted values as tile products, so that a pass's cost hardly grows with its rows.
+// Part of the AMX kernel set (amx/); included by ops/attention.cpp after its work items (Call, Item,
+// block_starts), whose tiles it reads.
 //
 // Its recipe (the bf16 recipe of this build; fp32 calls, and every other build, keep attention.cpp's):
 //   score_r  = (the unit's bf16 dot product of q and k_r, TDPBF16PS, over dims 0..31, 32..63, ... into one
@@ -25,6 +27,7 @@
 #pragma once
 
 #if defined(SPECDEC_AMX)
+#include "../isa/f32.h"
 #include "../isa/tiles.h"
 
 namespace SPECDEC_QLIB {
