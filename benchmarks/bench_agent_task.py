@@ -101,7 +101,7 @@ def run_client(cmd: list[str], env: dict, cwd: Path, cap_s: float, log: Path) ->
 
 def requests_answered(server: str, url: str, log: Path, route: str) -> int:
     if server == "llama.cpp":
-        return llama_requests(log.read_text(errors="replace"), route)
+        return llama_requests(log.read_text(errors="replace"))
     return specdec_requests(httpx.get(url + "/metrics", timeout=30).text, route)
 
 

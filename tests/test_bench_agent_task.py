@@ -70,12 +70,10 @@ def test_the_servers_request_counts():
                'specdec:http_requests_total{method="POST",path="/v1/responses",status="400"} 1.0\n'
                'specdec:http_requests_total{method="POST",path="/v1/messages",status="200"} 2.0\n')
     assert specdec_requests(metrics, "/v1/responses") == 5 and specdec_requests(metrics, "/v1/messages") == 2
-    log = ("srv  log_server_r: request: POST /v1/responses 127.0.0.1 200\n"
-           "srv  log_server_r: request: GET /health 127.0.0.1 200\n"
-           "srv  log_server_r: request: POST /v1/messages?beta=true 127.0.0.1 200\n"
-           "srv  log_server_r: request: POST /v1/responses 127.0.0.1 500\n"
-           "srv  log_server_r: request: POST /v1/responses 127.0.0.1 200\n")
-    assert llama_requests(log, "/v1/responses") == 2 and llama_requests(log, "/v1/messages") == 1
+    log = ("0.12.964.722 I slot launch_slot_: id  0 | task 0 | processing task, is_child = 0\n"
+           "0.28.680.699 I slot print_timing: id  0 | task 0 |       total time =   15715.82 ms /    40 tokens\n"
+           "0.29.777.815 I slot launch_slot_: id  0 | task 9 | processing task, is_child = 0\n")
+    assert llama_requests(log) == 2
 
 
 def test_the_table_and_summary():

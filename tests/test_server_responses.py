@@ -140,6 +140,18 @@ def test_max_output_tokens_makes_an_incomplete_response(client, live):
     assert events(live, input=QUESTION, max_output_tokens=3, store=False)[-1]["type"] == "response.incomplete"
 
 
+def test_without_max_output_tokens_the_answer_may_take_the_rest_of_the_context(client, live):
+    """Codex sends no max_output_tokens and fails its turn on an `incomplete` answer: as OpenAI's and
+    llama.cpp's servers do, the answer may run to the end of the context, not to chat's default of 1024
+    tokens (a chat request without max_tokens keeps that default)."""
+    live.engine.say = "ok"
+    assert client.responses.create(model=MODEL, input=QUESTION, store=False).status == "completed"
+    prompt_tokens = len(live.engine.tokenizer.encode(live.engine.prompts[-1]))
+    assert live.engine.params[-1].max_tokens == live.engine.max_model_len - prompt_tokens > 1024
+    httpx.post(live.url + "/v1/chat/completions", json={"model": MODEL, "messages": PARIS}, timeout=20)
+    assert live.engine.params[-1].max_tokens == 1024
+
+
 def test_store_and_previous_response_id(client, live):
     """A stored response continues with previous_response_id: its conversation (less its instructions) and
     answer come before the new input; GET returns it; store: false keeps nothing."""

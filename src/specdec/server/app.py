@@ -255,11 +255,15 @@ class _Server:
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, req.template_messages(),
                                              req.template_tools(), context=self.engine.max_model_len,
                                              special_text=self.special_text, param=param)
-        limit = req.output_limit()
+        limit, room = req.output_limit(), self.engine.max_model_len - len(prompt_ids)
         if fit_context and limit is not None:
-            limit = max(1, min(limit, self.engine.max_model_len - len(prompt_ids)))
+            limit = max(1, min(limit, room))
+        # a translated request without a limit (a Responses request without max_output_tokens: Codex sends
+        # none) may take the rest of the context, as OpenAI's and llama.cpp's servers answer it: Codex fails
+        # the turn on an answer cut short (`incomplete`), so chat's bounded default would end the session
+        default = max(1, room) if fit_context else self.default_max_tokens
         params = await self._params(req, limit, [prompt_ids], param, logprobs=req.num_logprobs(),
-                                    response_format=req.tool_call_format())
+                                    response_format=req.tool_call_format(), default_max_tokens=default)
         request = await self._submit(new_id("chatcmpl"), [prompt_ids], params, param, req.cache_salt)
         return request, self._renderer(req, request, ChatRenderer, tool_parser=tool_parser)
 
@@ -327,16 +331,19 @@ class _Server:
 
     async def _params(self, req, limit: int | None, prompt_ids: list[list[int]], prompt_param: str,
                       logprobs: int | None = None, prompt_logprobs: int | None = None,
-                      response_format: dict | None = None) -> SamplingParams:
+                      response_format: dict | None = None, default_max_tokens: int | None = None
+                      ) -> SamplingParams:
         """SamplingParams, once every prompt and the requested completion are known to fit the context: the
         steps of `request_params`, in this order (the order the errors come in). Without a limit the
-        completion takes the server's default or the rest of the context if less. A grammar
-        (response_format) is compiled here, off the engine's thread, and refused here if it is invalid."""
+        completion takes the server's default (`default_max_tokens`, else the server's) or the rest of the
+        context if less. A grammar (response_format) is compiled here, off the engine's thread, and refused
+        here if it is invalid."""
         context = self.engine.max_model_len
         prompts_fit(prompt_ids, limit, context, prompt_param)
         fields = request_fields(req, self.defaults, response_format, self.lenient_json_schemas)
         check_vocabulary(fields, self.engine.vocab_size)
-        max_tokens = completion_limit(limit, prompt_ids, context, self.defaults, self.default_max_tokens)
+        max_tokens = completion_limit(limit, prompt_ids, context, self.defaults,
+                                      default_max_tokens or self.default_max_tokens)
         params = build_params(req, fields, max_tokens, logprobs, prompt_logprobs)
         await check_grammar(params, self.engine.tokenizer, self.engine.vocab_size)
         return params
