@@ -105,6 +105,17 @@ def requests_answered(server: str, url: str, log: Path, route: str) -> int:
     return specdec_requests(httpx.get(url + "/metrics", timeout=30).text, route)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 120 s: llama-server finishes the prompt batch it is reading first, which
+    takes minutes on a loaded machine."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="claude,codex")
@@ -144,8 +155,7 @@ def main() -> None:
                 print(f"{name}: success={runs[-1].outcome.success} {wall:.0f} s, {report.message[:200]!r}",
                       file=sys.stderr, flush=True)
         finally:
-            proc.terminate()
-            proc.wait(timeout=120)
+            stop(proc)
     print("\n".join(table(runs)))
     print(json.dumps({"benchmark": "agent_task", "target": TARGET, "work": str(work), "runs": summary(runs)}))
 
