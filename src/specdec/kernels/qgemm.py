@@ -162,13 +162,14 @@ def qmm(
     types: list[int],
     bias: torch.Tensor | None = None,
     isa: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (bf16 or fp32) @ concat(weights).T + bias -> [..., N] in x's dtype.
+    """x [..., K] (bf16 or fp32) @ concat(weights).T + bias -> [..., N] in `out_dtype` (default: x's).
 
     weights[i]: uint8 [N_i, row_bytes] blocks of GGML type types[i]; bias: fp32 [sum N_i] or None.
     """
     shape = x.shape
-    y = ops(isa).qmm(x.reshape(-1, shape[-1]), weights, types, bias)
+    y = ops(isa).qmm(x.reshape(-1, shape[-1]), weights, types, bias, out_dtype)
     return y.view(*shape[:-1], y.shape[-1])
 
 

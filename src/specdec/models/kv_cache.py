@@ -131,6 +131,8 @@ class KVCache:
         """Write new K/V [B, T, KV, D] at (page, offset) [B, T] of `layer` (encoded in the cache's format)."""
         if self.kv_format == "q8_0":
             k, v = q8_encode(k), q8_encode(v)
+        else:  # rounded to the cache's dtype (an fp32 residual stream over a bf16 cache)
+            k, v = k.to(self.keys[layer].dtype), v.to(self.values[layer].dtype)
         self.keys[layer][page, :, offset] = k
         self.values[layer][page, :, offset] = v
 

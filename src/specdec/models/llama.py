@@ -130,8 +130,8 @@ class RMSNorm(nn.Module):
         self.fused = False  # one CPU op instead of eight (set for models on the block kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.device.type == "cpu":
-            return qgemm.ops().rms_norm(x, self.weight, self.eps)
+        if self.fused and x.device.type == "cpu":  # (an fp32 residual stream: the weight widened, exactly)
+            return qgemm.ops().rms_norm(x, self.weight.to(x.dtype), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -235,7 +235,9 @@ class Attention(nn.Module):
         page, offset = cache.locate(write_slots)  # [B, T] each
         cache.store(self.layer_idx, page, offset, k, v)
         if fused:  # (the whole cache: each query reads the slots it sees, through its row's pages)
-            out = qgemm.ops().attention(q, k_cache, v_cache, mask, key_index, cache.page_table(B, S))
+            # q in the cache's dtype (a Q8_0 cache: any), the output in x's, as the fused layer op does
+            q = q if k_cache.dtype in (torch.int8, q.dtype) else q.to(k_cache.dtype)
+            out = qgemm.ops().attention(q, k_cache, v_cache, mask, key_index, cache.page_table(B, S)).to(x.dtype)
         else:
             keys, values = cache.gather(k_cache, B, S), cache.gather(v_cache, B, S)  # [B, KV, S, D]
             if x.device.type == "cuda":
@@ -319,6 +321,10 @@ class MLP(nn.Module):
         self.gate_up_proj, self.gate_proj, self.up_proj = gate_up_proj, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, QuantLinear) and x.device.type == "cpu":  # as the fused layer op: gate and
+            # up in bf16, the output in x's dtype (an fp32 residual stream)
+            gate, up = self.gate_up_proj(x, out_dtype=torch.bfloat16).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up, out_dtype=x.dtype)
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
@@ -474,6 +480,10 @@ class Transformer(nn.Module):
         use_one_bf16_matmul_kernel()  # a row's bits must not depend on the rows computed with it (models/cpu.py)
         self.config = config
         self.kv_format = "auto"  # its K/V caches' rows (`--kv-cache-dtype`): the activations' dtype, or "q8_0"
+        # the residual stream's dtype between layers, when not the activations' (fp32 on the fused layers of the
+        # block kernels: as llama.cpp, only the matrices' inputs are rounded, to 8 bits, and the cache's rows)
+        self.residual_dtype: torch.dtype | None = None
+        self.edge_dtype: torch.dtype | None = None  # `dtype`, where the norms are kept wider (`residual_dtype`)
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -550,8 +560,9 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype (the norms are kept in it, whatever the format of the matrices)."""
-        return self.model.norm.weight.dtype
+        """The activations' dtype at the model's edges: its K/V caches' rows, the hidden states it returns (the
+        norms' dtype, but on the block kernels, whose norms and residual stream are fp32: `residual_dtype`)."""
+        return self.edge_dtype or self.model.norm.weight.dtype
 
     def new_cache(self, batch_size: int, capacity: int, num_pages: int | None = None) -> KVCache:
         """A cache for this model, in `kv_format` ("auto": the activations' dtype; "q8_0": 8-bit rows; set by
@@ -579,16 +590,16 @@ class Transformer(nn.Module):
         of their row and the new tokens that `mask` allows (causal by default; a tree mask for tree drafts).
         """
         B, T = tokens.shape
-        cos, sin, write_slots, full_mask, key_index = attention_inputs(
-            cache, positions, mask, self.inv_freq, self.dtype
-        )
+        wide = self.residual_dtype or self.dtype
+        cos, sin, write_slots, full_mask, key_index = attention_inputs(cache, positions, mask, self.inv_freq, wide)
         h = self.model.embed_tokens(tokens)
         if self.config.arch.embed_scale:
             h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        h = h.to(wide)
         rope = {False: (cos, sin)}  # by `sliding`: the sliding layers' rope and mask where they have their own
         masks = {False: full_mask}
         if self.inv_freq_local is not None:
-            rope[True] = rope_tables(positions, self.inv_freq_local, self.dtype)
+            rope[True] = rope_tables(positions, self.inv_freq_local, wide)
         if self.config.layer_types:
             masks[True] = window_mask(full_mask, positions, cache.lengths, key_index, self.config.sliding_window)
         slots = write_slots  # (what the fused layers need; rows of equal length: the next T slots of each)
@@ -599,10 +610,11 @@ class Transformer(nn.Module):
             cos, sin = rope.get(layer.sliding, rope[False])
             h = layer(h, cos, sin, cache, write_slots, masks[layer.sliding], key_index, slots)
             if i in feature_layers:
-                features.append(h)
+                features.append(h.to(self.dtype))
         h = self.model.norm(h)
         scored = h if logit_rows is None else h[:logit_rows]
         logits = (head or self.lm_head)(scored if num_logits is None else scored[:, -num_logits:]).float()
         if not return_hidden:
             return logits
+        h = h.to(self.dtype)
         return logits, (torch.cat([*features, h], -1) if features else h)

@@ -468,6 +468,9 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
     matrix requantized to type `requantize` when given (see `kernel_blocks`)."""
     with meta_skeleton():
         model = Transformer(config)
+    # the residual stream, norms and embeddings in fp32, as llama.cpp keeps them: on the block kernels only the
+    # matrices' inputs are rounded (to 8 bits), and the K/V cache's rows (to `dtype`)
+    model.residual_dtype, model.edge_dtype = torch.float32, dtype
 
     def linear(names: list[str], bias_names: list[str] | None = None) -> QuantLinear:
         parts = []
@@ -478,7 +481,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         return QuantLinear(parts, row_len, bias)
 
     def norm(name: str) -> nn.Parameter:
-        return nn.Parameter(source.vector(name).to(dtype), requires_grad=False)
+        return nn.Parameter(source.vector(name).to(model.residual_dtype), requires_grad=False)
 
     def mlp_blocks(module: nn.Module, prefix: str) -> None:  # an MLP's matrices, gate and up as one
         fused = prefix + "gate_up_proj.weight"  # (Phi-3's checkpoints hold them so)
@@ -505,7 +508,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
     for module in model.modules():  # the elementwise work as one CPU op each, like the matmuls
         if isinstance(module, (RMSNorm, Attention)):
             module.fused = True
-    for layer in model.model.layers:  # and each layer as one op
+    for layer in model.model.layers:  # and each layer as one op (computing in its input's dtype)
         layer.fuse()
     head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
     model.lm_head = linear([head])  # before the embedding: a float source hands each matrix over once
@@ -513,7 +516,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         table, qtype = model.lm_head.blocks[0], model.lm_head.types[0]
     else:
         table, qtype, _ = source.blocks("model.embed_tokens.weight")
-    model.model.embed_tokens = QuantEmbedding(table, qtype, config.vocab_size, config.hidden_size, dtype)
+    model.model.embed_tokens = QuantEmbedding(table, qtype, config.vocab_size, config.hidden_size, model.residual_dtype)
     model.set_rope()
     meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if meta:

@@ -87,8 +87,8 @@ class QuantLinear(nn.Module):
     def kernel_blocks(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self._kernel_buffers]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return qmm(x, self.kernel_blocks, self.kernel_types, self.bias)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return qmm(x, self.kernel_blocks, self.kernel_types, self.bias, out_dtype=out_dtype)
 
     def select_rows(self, ids: torch.Tensor) -> "QuantLinear":
         """A new layer computing only output rows `ids` (sorted, of the whole concatenated weight), in that

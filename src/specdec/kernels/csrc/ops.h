@@ -15,7 +15,8 @@
 namespace SPECDEC_QLIB {
 
 // qmm.cpp: the matmul on GGUF blocks, and the activations as it quantizes them (for tests)
-at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> types, c10::optional<at::Tensor> bias);
+at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> types, c10::optional<at::Tensor> bias,
+               c10::optional<at::ScalarType> out_dtype = c10::nullopt);
 std::vector<at::Tensor> quantize_acts(at::Tensor x, int64_t bs);
 std::vector<int64_t> formats();  // the block formats' table, 4 numbers an entry (formats.h)
 bool uses_tiles();

@@ -52,11 +52,15 @@ std::vector<int64_t> formats() {
   return out;
 }
 
-// y = x @ concat(W_0, W_1, ...).T + bias: the segments share the activations' quantization.
-at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> types, c10::optional<at::Tensor> bias) {
+// y = x @ concat(W_0, W_1, ...).T + bias: the segments share the activations' quantization.  y in out_dtype
+// (default: x's), each output rounded once from its fp32 value.
+at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> types, c10::optional<at::Tensor> bias,
+               c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.dim() == 2, "qmm: x must be [M, K]");
   TORCH_CHECK(x.device().is_cpu(), "qmm: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "qmm: x must be bf16 or fp32");
+  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out_type == at::kBFloat16 || out_type == at::kFloat, "qmm: out_dtype must be bf16 or fp32");
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "qmm: one type per weight segment");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -85,7 +89,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
     TORCH_CHECK(bf.numel() == N, "qmm: bias must have N = ", N, " values");
     bp = bf.data_ptr<float>();
   }
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options().dtype(out_type));
   if (M == 0 || N == 0) return y;
 
   Acts a32, a256;
@@ -114,7 +118,7 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   const int64_t ngroups = row_groups(M);
   std::atomic<int64_t> next{0};
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
-  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  const bool out_bf16 = out_type == at::kBFloat16;
   at::BFloat16* yb = out_bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
   float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {

@@ -7,7 +7,7 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("set_pair_rows(int mask) -> ()", &set_pair_rows);
   m.def("pair_rows() -> int", &pair_rows);
   m.def("formats() -> int[]", &formats);
-  m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias) -> Tensor", &qmm);
+  m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias, ScalarType? out_dtype=None) -> Tensor", &qmm);
   m.def("repack_q4k_x16(Tensor w) -> Tensor", &repack_q4k_x16);
   m.def("repack_q6k_x16(Tensor w) -> Tensor", &repack_q6k_x16);
   m.def("repack_q40_x16(Tensor w) -> Tensor", &repack_q40_x16);

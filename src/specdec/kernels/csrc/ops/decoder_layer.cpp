@@ -14,6 +14,9 @@ namespace {
 // (`specdec.architectures`): q_norm, k_norm: per-head norms of q and k before rope (Qwen3, Gemma 3);
 // four norms, the sandwich x + norm2(attn(norm1(x))), then + norm4(mlp(norm3(.))) (Gemma 3); gelu: tanh-GELU
 // for act (else SiLU); q_factor: q scaled after rope (a query scale other than head_dim's).
+// The layer computes in x's dtype: fp32 keeps the residual stream, norms, rope and the matrices' outputs in fp32
+// (as llama.cpp does), while the K/V cache keeps its own (bf16, or Q8_0 rows): the new K/V are rounded to it
+// when written, q to it for attention, whose output comes back in x's dtype; gate and up are bf16 whatever x's.
 void write_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, const int64_t* pages, int64_t np) {
   // src [B, T, KV, D] rows; cache [pages, KV, P, D] (D: a row's elements, of src's dtype); slot s of row b:
   // page pages[b][s / P] (or b), row s % P
@@ -66,6 +69,19 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
   }
   const int64_t* page_ptr = pages.has_value() ? table.data_ptr<int64_t>() : nullptr;
   const int64_t np = pages.has_value() ? table.size(1) : 1;
+  const auto dtype = x.scalar_type();
+  const auto as_x = [&](const at::Tensor& t) { return t.scalar_type() == dtype ? t : t.to(dtype); };
+  for (auto& w : norms) w = as_x(w);
+  if (q_norm.has_value()) {
+    q_norm = as_x(*q_norm);
+    k_norm = as_x(*k_norm);
+  }
+  cos = as_x(cos);
+  sin = as_x(sin);
+  const auto as_cache = [&](const at::Tensor& t) {  // rows as the cache holds them (Q8_0: encoded from t)
+    if (q8) return quantize_kv(t);
+    return t.scalar_type() == k_cache.scalar_type() ? t : t.to(k_cache.scalar_type());
+  };
   const at::Tensor h = rms_norm(x, norms[0], eps);
   const at::Tensor qkv = qmm(h.view({B * Tn, Hd}), qkv_w, qkv_t, qkv_b).view({B, Tn, (H + 2 * KV) * D});
   at::Tensor q = qkv.narrow(2, 0, H * D).view({B, Tn, H, D});
@@ -78,17 +94,20 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<at::Tensor> norms, double eps
   k = rope(k, cos, sin);
   if (q_factor != 1.0) q = at::mul(q, q_factor);
   const at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, Tn, KV, D});
-  write_slots(q8 ? quantize_kv(k) : k, k_cache, slots.data_ptr<int64_t>(), page_ptr, np);
-  write_slots(q8 ? quantize_kv(v) : v, v_cache, slots.data_ptr<int64_t>(), page_ptr, np);
-  const at::Tensor a = attention(q, k_cache, v_cache, visible, key_index, pages);
+  write_slots(as_cache(k), k_cache, slots.data_ptr<int64_t>(), page_ptr, np);
+  write_slots(as_cache(v), v_cache, slots.data_ptr<int64_t>(), page_ptr, np);
+  const at::Tensor a = as_x(attention(q8 ? q : as_cache(q), k_cache, v_cache, visible, key_index, pages));
   at::Tensor o = qmm(a.view({B * Tn, H * D}), o_w, o_t, c10::nullopt).view({B, Tn, Hd});
   if (sandwich) o = rms_norm(o, norms[1], eps);
   const at::Tensor x1 = at::add(x, o);
-  const at::Tensor gu = qmm(rms_norm(x1, norms[sandwich ? 2 : 1], eps).view({B * Tn, Hd}), gu_w, gu_t, c10::nullopt);
+  // gate and up in bf16 (as the cache: the MLP's widest tensors, whose product is rounded to 8 bits next), the
+  // down projection's output in x's dtype
+  const at::Tensor gu = qmm(rms_norm(x1, norms[sandwich ? 2 : 1], eps).view({B * Tn, Hd}), gu_w, gu_t, c10::nullopt,
+                            at::kBFloat16);
   const int64_t I = gu.size(1) / 2;
   const at::Tensor gate = gu.narrow(1, 0, I);
   const at::Tensor act = at::mul(gelu ? at::gelu(gate, "tanh") : at::silu(gate), gu.narrow(1, I, I));
-  at::Tensor m = qmm(act, dn_w, dn_t, c10::nullopt).view({B, Tn, Hd});
+  at::Tensor m = qmm(act, dn_w, dn_t, c10::nullopt, dtype).view({B, Tn, Hd});
   if (sandwich) m = rms_norm(m, norms[3], eps);
   return at::add(x1, m);
 }
