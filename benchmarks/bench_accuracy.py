@@ -12,6 +12,7 @@ Paths (the variables that can put error in, one at a time):
   blocks-fp32     the block kernels with fp32 activations and an fp32 K/V cache: activations quantized to
                   8 bits per 32 at each matmul (as llama.cpp does), everything else fp32
   blocks-bf16     the default: block kernels, bf16 activations between ops, bf16 K/V cache
+  blocks-bf16-fp32res  the same with the residual stream, norms and matrix outputs in fp32 (SPECDEC_FP32_RESIDUAL=1)
   blocks-bf16-q8kv  the same with the 8-bit K/V cache (`--kv-cache-dtype q8_0`)
   blocks-fp32-kvbf16, blocks-fp32-kvf16  (diagnosis) blocks-fp32 op by op with K/V rounded to bf16 / f16
   llama.cpp       llama-server (../shared/tools), greedy, its 8-bit activations and f16 K/V: tokens only
@@ -78,7 +79,8 @@ def specdec_model(path: Path, kind: str) -> Transformer:
         config, state, _ = load_checkpoint(path, torch.float32, torch.device("cpu"))
         return Transformer.from_state_dict(config, state).requires_grad_(False)
     dtype = torch.float32 if kind.startswith("blocks-fp32") else torch.bfloat16
-    _, model, _ = load_quantized(path, "gguf", dtype)
+    residual = torch.float32 if "fp32res" in kind else dtype
+    _, model, _ = load_quantized(path, "gguf", dtype, residual_dtype=residual)
     model.kv_format = "q8_0" if kind.endswith("q8kv") else "auto"
     if kind.startswith("blocks-fp32-kv"):  # a diagnosis: fp32 everywhere but the K/V, rounded as stored
         for layer in model.model.layers:
@@ -170,7 +172,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--tokens", type=int, default=12)
-    p.add_argument("--paths", default="float32,blocks-fp32,blocks-bf16,blocks-bf16-q8kv")
+    p.add_argument("--paths", default="float32,blocks-fp32,blocks-bf16,blocks-bf16-fp32res,blocks-bf16-q8kv")
     p.add_argument("--no-llama", action="store_true", help="skip llama-server")
     args = p.parse_args()
     torch.manual_seed(0)

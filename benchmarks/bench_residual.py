@@ -1,7 +1,7 @@
 """What the fp32 residual stream costs on the block kernels: the same model with its residual stream, norms and
-matrix outputs in fp32 (the default since issue 59's accuracy work) and in bf16 (as before), side by side in one
-process, rounds alternating: prefill of a prompt in 512-token chunks, and greedy decoding one token a pass.
-The K/V cache is bf16 in both. Accuracy: benchmarks/bench_accuracy.py.
+matrix outputs in fp32 (`SPECDEC_FP32_RESIDUAL=1`) and in bf16 (the default), side by side in one process,
+rounds alternating: prefill of a prompt in 512-token chunks, and greedy decoding one token a pass. The K/V cache
+is bf16 in both (the bf16 side widens the fp32 norms at each call). Accuracy: benchmarks/bench_accuracy.py.
 
     python benchmarks/bench_residual.py [--model qwen2.5-coder-1.5b-instruct] [--prompt 512] [--decode 64]
 
@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    _, model, _ = load_quantized(resolve_model(args.model), "gguf")
+    _, model, _ = load_quantized(resolve_model(args.model), "gguf", residual_dtype=torch.float32)
     prompt = torch.randint(100, 20000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     wide = model.residual_dtype
     times = {"fp32": [], "bf16": []}

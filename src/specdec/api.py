@@ -234,6 +234,8 @@ class LLM:
             from specdec.kernels import qgemm
 
             numerics = "cpu-amx" if qgemm.best_isa() == "avx512amx" else "cpu"
+            if self.target.residual_dtype is not None:  # (SPECDEC_FP32_RESIDUAL: other arithmetic, other bits)
+                numerics += "-fp32-residual"
         space = namespace(file_digest(self.target_path, specdec_home()), self.quantization, self.dtype,
                           self.kv_cache_dtype, numerics, NUMERICS_VERSION, self.memory_plan.prefix_block_size)
         root = directory or os.environ.get("SPECDEC_PREFIX_CACHE_DIR") or specdec_home() / "kv"

@@ -435,10 +435,17 @@ class _FloatSource:
 REQUANTIZE = {"gguf": None, "q8_0": Q8_0, "q4_0": Q4_0}
 
 
+def fp32_residual() -> bool:
+    """Whether block-kernel models keep their residual stream in fp32 (`SPECDEC_FP32_RESIDUAL=1`; opt-in for now:
+    closer to fp32 than the bf16 default, docs/numerics.md; other arithmetic, so other K/V bits)."""
+    return os.environ.get("SPECDEC_FP32_RESIDUAL", "0") not in ("", "0")
+
+
 def load_quantized(
-    path: str | Path, method: str = "gguf", dtype: torch.dtype = torch.bfloat16
+    path: str | Path, method: str = "gguf", dtype: torch.dtype = torch.bfloat16, residual_dtype: torch.dtype | None = None
 ) -> tuple[ModelConfig, Transformer, Tokenizer]:
-    """A model whose matrices run on specdec's block kernels, activations in `dtype`.
+    """A model whose matrices run on specdec's block kernels, activations in `dtype`; `residual_dtype` (default:
+    fp32 if `fp32_residual()`, else `dtype`): its residual stream, norms and embeddings (`build_quantized`).
 
     method `gguf`: a GGUF's own blocks, used in place from a memory map (types the kernels lack are
     requantized to Q8_0); `q8_0` / `q4_0`: every matrix requantized to Q8_0 / Q4_0 (from the file's values:
@@ -453,24 +460,30 @@ def load_quantized(
         config = gguf_config(reader)
         with warnings.catch_warnings():  # a read-only map: the kernels never write the weights
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            model = build_quantized(config, _GGUFSource(reader, config), dtype, requantize=REQUANTIZE[method])
+            model = build_quantized(config, _GGUFSource(reader, config), dtype, requantize=REQUANTIZE[method],
+                                    residual_dtype=residual_dtype)
         tokenizer = Tokenizer.from_gguf(reader)
         reader.release_pages()
         return config, model, tokenizer
     config = hf_config(path)
     weights = load_safetensors(path, config, torch.float32, "cpu")
     source = _FloatSource(weights, REQUANTIZE[method] or Q8_0)
-    return config, build_quantized(config, source, dtype), Tokenizer.from_folder(path)
+    return config, build_quantized(config, source, dtype, residual_dtype=residual_dtype), Tokenizer.from_folder(path)
 
 
-def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize: int | None = None) -> Transformer:
+def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize: int | None = None,
+                    residual_dtype: torch.dtype | None = None) -> Transformer:
     """A Transformer with QuantLinear matrices (Q/K/V fused, gate/up fused) and a QuantEmbedding; every
-    matrix requantized to type `requantize` when given (see `kernel_blocks`)."""
+    matrix requantized to type `requantize` when given (see `kernel_blocks`). `residual_dtype` fp32: the residual
+    stream, norms and embeddings in fp32, as llama.cpp keeps them, so that only the matrices' inputs are rounded
+    (to 8 bits) and the K/V cache's rows (to `dtype`); default: fp32 if `fp32_residual()`, else `dtype`."""
     with meta_skeleton():
         model = Transformer(config)
-    # the residual stream, norms and embeddings in fp32, as llama.cpp keeps them: on the block kernels only the
-    # matrices' inputs are rounded (to 8 bits), and the K/V cache's rows (to `dtype`)
-    model.residual_dtype, model.edge_dtype = torch.float32, dtype
+    wide = residual_dtype or (torch.float32 if fp32_residual() else dtype)
+    if wide != dtype:
+        model.residual_dtype, model.edge_dtype = wide, dtype
+    else:
+        model.residual_dtype = None
 
     def linear(names: list[str], bias_names: list[str] | None = None) -> QuantLinear:
         parts = []
@@ -481,7 +494,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         return QuantLinear(parts, row_len, bias)
 
     def norm(name: str) -> nn.Parameter:
-        return nn.Parameter(source.vector(name).to(model.residual_dtype), requires_grad=False)
+        return nn.Parameter(source.vector(name).to(wide), requires_grad=False)
 
     def mlp_blocks(module: nn.Module, prefix: str) -> None:  # an MLP's matrices, gate and up as one
         fused = prefix + "gate_up_proj.weight"  # (Phi-3's checkpoints hold them so)
@@ -516,7 +529,7 @@ def build_quantized(config: ModelConfig, source, dtype: torch.dtype, requantize:
         table, qtype = model.lm_head.blocks[0], model.lm_head.types[0]
     else:
         table, qtype, _ = source.blocks("model.embed_tokens.weight")
-    model.model.embed_tokens = QuantEmbedding(table, qtype, config.vocab_size, config.hidden_size, model.residual_dtype)
+    model.model.embed_tokens = QuantEmbedding(table, qtype, config.vocab_size, config.hidden_size, wide)
     model.set_rope()
     meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if meta:
