@@ -66,8 +66,8 @@ class OutputText:
         hit = None if self.stops is None else self.stops.find(self.text, start)
         if hit is None:
             return False
-        self.text = self.text[:hit[0]]
-        self.finish_reason, self.stop_reason = "stop", hit[1]
+        self.text = self.text[:hit.begins]
+        self.finish_reason, self.stop_reason = "stop", hit.string
         return True
 
     def abort(self) -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -83,16 +84,26 @@ def next_key(key: bytes, tokens) -> bytes:
     return hashlib.sha256(key + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
-def _runs(ids: list[int], pages: list[int] | None = None) -> list[tuple[int, int, int]]:
-    """(start, first id, count) of each run of consecutive ids (and, given `pages`, of consecutive pages at the
-    same places: a run is then one slice of the pool and one of the cache). Example: [4, 5, 6, 0, 9, 10] ->
-    [(0, 4, 3), (3, 0, 1), (4, 9, 2)]; with pages [0, 1, 3, 4, 5, 6] -> [(0, 4, 2), (2, 6, 1), (3, 0, 1), (4, 9, 2)]."""
-    runs: list[tuple[int, int, int]] = []
+class Run(NamedTuple):
+    """Consecutive pool blocks copied as one slice: the row's blocks [start, start + count) are the pool's
+    [first_id, first_id + count)."""
+
+    start: int
+    first_id: int
+    count: int
+
+
+def _runs(ids: list[int], pages: list[int] | None = None) -> list[Run]:
+    """Each run of consecutive ids (and, given `pages`, of consecutive pages at the same places: a run is then
+    one slice of the pool and one of the cache). Example: [4, 5, 6, 0, 9, 10] -> (start, first id, count)
+    (0, 4, 3), (3, 0, 1), (4, 9, 2); with pages [0, 1, 3, 4, 5, 6] -> (0, 4, 2), (2, 6, 1), (3, 0, 1), (4, 9, 2)."""
+    runs: list[Run] = []
     for i, block_id in enumerate(ids):
-        if runs and block_id == runs[-1][1] + runs[-1][2] and (pages is None or pages[i] == pages[i - 1] + 1):
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        last = runs[-1] if runs else None
+        if last and block_id == last.first_id + last.count and (pages is None or pages[i] == pages[i - 1] + 1):
+            runs[-1] = last._replace(count=last.count + 1)
         else:
-            runs.append((i, block_id, 1))
+            runs.append(Run(i, block_id, 1))
     return runs
 
 

@@ -9,10 +9,17 @@ set lookups, whatever the number of stop strings.
     >>> stops.find("x = 1\\nEN", start=0) is None
     True
     >>> stops.find("x = 1\\nEND;", start=8)   # "END" and "D" both end at 9: the longer began first
-    (6, 'END')
+    StopHit(begins=6, string='END')
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class StopHit(NamedTuple):
+    begins: int  # where the stop string begins in the text
+    string: str  # the stop string
 
 
 class StopStrings:
@@ -23,11 +30,11 @@ class StopStrings:
         self._lengths = sorted({len(s) for s in self._set}, reverse=True)  # the longest first
         self.longest = self._lengths[0]
 
-    def find(self, text: str, start: int) -> tuple[int, str] | None:
-        """The stop string of `text` that ends first, past `start` (text[start:] is what is new), as (where it
-        begins, the string); of those ending at the same place the longest. None if none ends there."""
+    def find(self, text: str, start: int) -> StopHit | None:
+        """The stop string of `text` that ends first, past `start` (text[start:] is what is new), and where it
+        begins; of those ending at the same place the longest. None if none ends there."""
         for end in range(start + 1, len(text) + 1):
             for length in self._lengths:
                 if length <= end and text[end - length:end] in self._set:
-                    return end - length, text[end - length:end]
+                    return StopHit(end - length, text[end - length:end])
         return None

@@ -107,7 +107,8 @@ class GrammarMatcher:
 
     def allowed_mask(self) -> torch.Tensor:
         """Bool [vocab_size]: the tokens allowed next (False beyond the tokenizer's vocabulary)."""
-        return self.masks_along([])[0][0]
+        masks, _ = self.masks_along([])
+        return masks[0]
 
     def masks_along(self, tokens: list[int]) -> tuple[torch.Tensor, int]:
         """Masks for positions 0..len(tokens), mask i being the state after `tokens[:i]`, up to the first
