@@ -11,8 +11,8 @@ Paths (the variables that can put error in, one at a time):
   float32         specdec's float layers, fp32 (quantization none): should match the reference to ~1e-4
   blocks-fp32     the block kernels with fp32 activations and an fp32 K/V cache: activations quantized to
                   8 bits per 32 at each matmul (as llama.cpp does), everything else fp32
-  blocks-bf16     the default: block kernels, bf16 activations between ops, bf16 K/V cache
-  blocks-bf16-fp32res  the same with the residual stream, norms and matrix outputs in fp32 (SPECDEC_FP32_RESIDUAL=1)
+  blocks-bf16     block kernels, bf16 activations between ops, bf16 K/V cache (SPECDEC_FP32_RESIDUAL=0)
+  blocks-bf16-fp32res  the default: the same with the residual stream, norms and matrix outputs in fp32
   blocks-bf16-q8kv  the same with the 8-bit K/V cache (`--kv-cache-dtype q8_0`)
   blocks-fp32-kvbf16, blocks-fp32-kvf16  (diagnosis) blocks-fp32 op by op with K/V rounded to bf16 / f16
   llama.cpp       llama-server (../shared/tools), greedy, its 8-bit activations and f16 K/V: tokens only

@@ -1,5 +1,5 @@
 """What the fp32 residual stream costs on the block kernels: the same model with its residual stream, norms and
-matrix outputs in fp32 (`SPECDEC_FP32_RESIDUAL=1`) and in bf16 (the default), side by side in one process,
+matrix outputs in fp32 (the default) and in bf16 (`SPECDEC_FP32_RESIDUAL=0`), side by side in one process,
 rounds alternating: prefill of a prompt in 512-token chunks, and greedy decoding one token a pass. The K/V cache
 is bf16 in both (the bf16 side widens the fp32 norms at each call). Accuracy: benchmarks/bench_accuracy.py.
 

@@ -2,11 +2,15 @@
 
 `tests/data/head_drafts.json` holds every draft (tokens and tree parents) that the shipped EAGLE and Medusa
 heads proposed, step by step, on two HumanEval prompts: chains and trees, greedy and sampled, one sequence
-and two at once. It was recorded from the proposers of commit 28814d9 (one head pass a sequence and depth,
-rerunning every node so far; one output-layer call a sequence and depth), with
+and two at once. It is recorded from the head proposers and modules of commit 28814d9 (one head pass a
+sequence and depth, rerunning every node so far; one output-layer call a sequence and depth) drafting on this
+checkout's target, whose arithmetic decides the hidden states the heads read:
 
-    git archive 28814d9 src | tar -x -C /tmp/base     # (and the built kernels, src/specdec/_native)
-    PYTHONPATH=/tmp/base/src python tests/test_heads_real.py tests/data/head_drafts.json
+    python tests/test_heads_real.py tests/data/head_drafts.json 28814d9
+
+(loaded as bench_head_share.py loads them). With `SPECDEC_FP32_RESIDUAL=0` (the bf16 residual stream, the
+target's arithmetic when the file was first recorded from 28814d9's whole tree) it writes that first file byte
+for byte; the file now holds the drafts on the default fp32 residual stream.
 
 The block kernels give a row the same bits whatever is computed beside it, so the batched passes must
 reproduce those drafts token for token: a draft that differs means a pass that computes something else.
@@ -49,20 +53,24 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(tasks[i]["prompt"])[:48] for i in (2, 10)]
 
 
-def record(llm, name: str) -> dict:
-    """Run one configuration on both prompts: each step's drafts ([tokens, parents] per sequence) and outputs."""
+def record(llm, name: str, code=None) -> dict:
+    """Run one configuration on both prompts: each step's drafts ([tokens, parents] per sequence) and outputs.
+    `code`: (heads module, proposers module) to draft with (another revision's: `__main__`), else this checkout's."""
     from specdec.config import SamplingParams
     from specdec.engine import Engine
-    from specdec.heads.files import load_heads, resolve_heads
-    from specdec.speculative.head_proposers import EagleProposer, MedusaProposer, default_tree
     from specdec.speculative.tree import DynamicTree
 
+    if code is None:
+        import specdec.heads.files as files
+        import specdec.speculative.head_proposers as proposers
+    else:
+        files, proposers = code
     method, k, tree, temperature, batch = CONFIGS[name]
-    heads = load_heads(resolve_heads(f"{TARGET}-{method}"), llm.target, method)
-    shape = {None: None, "default": default_tree(k), "dynamic": DynamicTree(top_k=2, beam=2)}[tree]
+    heads = files.load_heads(files.resolve_heads(f"{TARGET}-{method}"), llm.target, method)
+    shape = {None: None, "default": proposers.default_tree(k), "dynamic": DynamicTree(top_k=2, beam=2)}[tree]
     vocab = llm.target.config.vocab_size
-    proposer = (MedusaProposer(heads, vocab, shape, max_depth=k) if method == "medusa"
-                else EagleProposer(heads, vocab, batch, MAX_LEN, shape, max_depth=k))
+    proposer = (proposers.MedusaProposer(heads, vocab, shape, max_depth=k) if method == "medusa"
+                else proposers.EagleProposer(heads, vocab, batch, MAX_LEN, shape, max_depth=k))
     engine = Engine(llm.target, llm.tokenizer, proposer, num_speculative_tokens=k, max_model_len=MAX_LEN,
                     max_batch_size=batch, adaptive=False)
     steps = []
@@ -116,10 +124,14 @@ def test_batched_head_passes_draft_what_one_pass_a_sequence_drafted(llm, name):
     assert any(tokens for step in got["drafts"] for tokens, _ in step)
 
 
-if __name__ == "__main__":  # record: python tests/test_heads_real.py OUT.json
+if __name__ == "__main__":  # record: python tests/test_heads_real.py OUT.json [REV: its head code, this target]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_head_share import baseline_modules
+
     from specdec import LLM
 
     torch.set_num_threads(1)
     model = LLM(TARGET, num_speculative_tokens=0, max_model_len=MAX_LEN)
+    code = baseline_modules(sys.argv[2]) if len(sys.argv) > 2 else None
     with torch.inference_mode():
-        Path(sys.argv[1]).write_text(json.dumps({name: record(model, name) for name in CONFIGS}) + "\n")
+        Path(sys.argv[1]).write_text(json.dumps({name: record(model, name, code) for name in CONFIGS}) + "\n")

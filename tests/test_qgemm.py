@@ -590,7 +590,7 @@ def test_attention_refuses_bad_inputs_clearly():
         qgemm.ops().attention(q, keys, values, visible, torch.full(visible.shape, 999, dtype=torch.long))
 
 
-@pytest.mark.parametrize("dtype, residual", [(torch.float32, None), (torch.bfloat16, None),
+@pytest.mark.parametrize("dtype, residual", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "fp32-residual"])
 def test_a_fused_decoder_layer_computes_the_bits_of_the_unfused_one(tmp_path, dtype, residual):
     """The whole layer as one op (`decoder_layer`) against the same layer's modules, pass for pass: a prompt,
@@ -601,7 +601,7 @@ def test_a_fused_decoder_layer_computes_the_bits_of_the_unfused_one(tmp_path, dt
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, arch="qwen2", tied=True)
     _, model, _ = load_quantized(path, "gguf", dtype, residual_dtype=residual)
-    assert model.residual_dtype == residual and model.dtype == dtype
+    assert model.residual_dtype == (None if residual == dtype else residual) and model.dtype == dtype
     layers = model.model.layers
     assert all(layer.fused_args is not None for layer in layers)
     fused_args = [layer.fused_args for layer in layers]

@@ -234,7 +234,7 @@ class LLM:
             from specdec.kernels import qgemm
 
             numerics = "cpu-amx" if qgemm.best_isa() == "avx512amx" else "cpu"
-            if self.target.residual_dtype is not None:  # (SPECDEC_FP32_RESIDUAL: other arithmetic, other bits)
+            if self.target.residual_dtype is not None:  # (other arithmetic than SPECDEC_FP32_RESIDUAL=0's: other bits)
                 numerics += "-fp32-residual"
         space = namespace(file_digest(self.target_path, specdec_home()), self.quantization, self.dtype,
                           self.kv_cache_dtype, numerics, NUMERICS_VERSION, self.memory_plan.prefix_block_size)

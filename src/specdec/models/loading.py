@@ -436,9 +436,9 @@ REQUANTIZE = {"gguf": None, "q8_0": Q8_0, "q4_0": Q4_0}
 
 
 def fp32_residual() -> bool:
-    """Whether block-kernel models keep their residual stream in fp32 (`SPECDEC_FP32_RESIDUAL=1`; opt-in for now:
-    closer to fp32 than the bf16 default, docs/numerics.md; other arithmetic, so other K/V bits)."""
-    return os.environ.get("SPECDEC_FP32_RESIDUAL", "0") not in ("", "0")
+    """Whether block-kernel models keep their residual stream in fp32: yes, as llama.cpp (closer to fp32,
+    docs/numerics.md), unless `SPECDEC_FP32_RESIDUAL=0` (bf16 between the ops: other K/V bits)."""
+    return os.environ.get("SPECDEC_FP32_RESIDUAL", "1") not in ("", "0")
 
 
 def load_quantized(
