@@ -10,7 +10,8 @@ from fakes import FakeTokenizer, one_intra_op_thread, varied_model
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.speculative.costs import AcceptanceEstimate, CostModel, LineFit, expected_tokens
-from specdec.speculative.controller import AdaptiveK, ByKind, FixedK, KindRates, SpeculationController, StepReport
+from specdec.speculative.controller import AdaptiveK, ByKind, FixedK, KindRates, LabelledOutcome, Outcome, \
+    SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, SuffixProposer
 from specdec.testing.degraded import PermutedLogitsModel
 from specdec.speculative.draft_model import DraftModelProposer
@@ -348,12 +349,12 @@ def test_sequences_whose_prompt_the_draft_read_have_their_own_acceptance():
     read = ctl.new_estimate(read_prompt=True)
     assert read.read_prompt and read.rate == pytest.approx(SpeculationController.PROMPT_PRIOR)
     for _ in range(20):  # windowed drafts, rejected at once: the pooled rate falls, the prompt prior stays
-        ctl.report(StepReport(1, 4, 0.2, 5, 1.2, [(window, 4, 0)]))
+        ctl.report(StepReport(1, 4, 0.2, 5, 1.2, [Outcome(window, 4, 0)]))
     assert ctl.acceptance.rate < 0.1 and ctl.with_prompt is None
     assert ctl.draft_reads_prompt([], 1, 100, 64)
     assert ctl.new_estimate(read_prompt=True).rate == pytest.approx(SpeculationController.PROMPT_PRIOR)
     for _ in range(20):  # drafts with their prompt, rejected at once too: now reading does not pay
-        ctl.report(StepReport(1, 4, 0.2, 5, 1.2, [(read, 4, 0)]))
+        ctl.report(StepReport(1, 4, 0.2, 5, 1.2, [Outcome(read, 4, 0)]))
     assert ctl.with_prompt.rate < 0.1 and ctl.new_estimate(read_prompt=True).rate < 0.1
     assert not ctl.draft_reads_prompt([], 1, 100, 64)
 
@@ -367,10 +368,10 @@ def test_a_drafters_first_forward_at_a_batch_size_is_not_taken_as_its_cost():
     for _ in range(3):
         ctl.report(StepReport(1, 0, None, 1, 1.0, []))  # plain passes: one row costs 1.0
     assert ctl.choose([est], [64], [512]) == [1] and ctl.policy.probing  # nothing measured: probe
-    ctl.report(StepReport(1, 1, 0.9, 2, 1.05, [(est, 1, 1)]))  # the cold first forward
+    ctl.report(StepReport(1, 1, 0.9, 2, 1.05, [Outcome(est, 1, 1)]))  # the cold first forward
     assert ctl.costs.draft_time(1) is None
     assert ctl.choose([est], [64], [512]) == [1] and ctl.policy.probing  # probe again
-    ctl.report(StepReport(1, 1, 0.2, 2, 1.05, [(est, 1, 1)]))
+    ctl.report(StepReport(1, 1, 0.2, 2, 1.05, [Outcome(est, 1, 1)]))
     assert ctl.costs.draft_time(1) == pytest.approx(0.2)
     assert ctl.choose([est], [64], [512])[0] > 1  # it pays: speculation on
 
@@ -420,17 +421,17 @@ def test_a_sequence_whose_drafts_are_cut_for_its_misses_drafts_again_once_they_a
     controller.policy = _learned({0: 0.8})
     est = controller.new_estimate()
     for _ in range(3):
-        controller.report(StepReport(1, 24, None, 2, None, [(est, 1, 0)], kinds=[(est, [0], 0)]))
+        controller.report(StepReport(1, 24, None, 2, None, [Outcome(est, 1, 0)], kinds=[LabelledOutcome(est, [0], 0)]))
     assert est.lean < 0.5
     assert controller.cut([Draft([9], kinds=[0])], [est])[0].tokens == []  # 0.8 x lean pays no half-pass row
     steps = 0
     while not controller.cut([Draft([9], kinds=[0])], [est])[0].tokens:
-        controller.report(StepReport(1, 24, None, 1, None, [(est, 0, 0)]))  # a step with nothing drafted
+        controller.report(StepReport(1, 24, None, 1, None, [Outcome(est, 0, 0)]))  # a step with nothing drafted
         steps += 1
         assert steps < 40
     assert steps >= 5 and est.lean > 0.6  # not at once: the misses count for some steps (~13)
     other = controller.new_estimate()  # a sequence that learned this step is not relaxed on top of it
-    controller.report(StepReport(1, 24, None, 2, None, [(other, 1, 0)], kinds=[(other, [0], 0)]))
+    controller.report(StepReport(1, 24, None, 2, None, [Outcome(other, 1, 0)], kinds=[LabelledOutcome(other, [0], 0)]))
     assert other.kind_expected == pytest.approx(controller.policy.rates.rate(0), rel=0.05)
 
 
@@ -476,7 +477,7 @@ def test_the_controller_cuts_labelled_chains_and_learns_from_their_verdicts():
     tree = Draft([9, 8], parents=[-1, -1])
     assert controller.cut([tree, Draft([5], kinds=[1])], [est, est])[0] is tree  # trees are not cut
     tried = controller.policy.rates.tried[1]
-    controller.report(StepReport(1, 24, None, 3, 1.1, [(est, 2, 1)], kinds=[(est, [0, 1], 1)]))
+    controller.report(StepReport(1, 24, None, 3, 1.1, [Outcome(est, 2, 1)], kinds=[LabelledOutcome(est, [0, 1], 1)]))
     assert controller.policy.rates.tried[1] == pytest.approx(tried * 0.995 + 1)
     assert est.kind_accepted == 1
 

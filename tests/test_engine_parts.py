@@ -16,7 +16,7 @@ from specdec.models.kv_cache import KEY_BLOCK, KVCache
 from specdec.speculative.auto_model import AutoModelProposer
 from specdec.speculative.build import build_proposer, tree_of
 from specdec.speculative.costs import AcceptanceEstimate
-from specdec.speculative.controller import SpeculationController, StepReport
+from specdec.speculative.controller import Outcome, SpeculationController, StepReport
 from specdec.speculative.proposers import Draft, NgramProposer, NullProposer, Proposer, SuffixProposer
 from specdec.speculative.tree import DynamicTree, TreeShape, ancestor_mask, depths
 
@@ -150,17 +150,17 @@ def test_the_controller_learns_costs_and_acceptance_from_step_reports():
     estimate = controller.new_estimate()
     assert controller.choose([estimate], [100], [1000]) == [1]  # nothing measured: a probe
     controller.report(StepReport(batch_size=1, k=1, forward_seconds=0.5, rows=2, verify_seconds=1.05,
-                                 outcomes=[(estimate, 1, 1)]))
+                                 outcomes=[Outcome(estimate, 1, 1)]))
     assert controller.costs.draft_time(1) is None  # the drafter's first forward at this size: a warm-up
     controller.report(StepReport(batch_size=1, k=1, forward_seconds=0.01, rows=2, verify_seconds=1.05,
-                                 outcomes=[(estimate, 1, 1)]))
+                                 outcomes=[Outcome(estimate, 1, 1)]))
     controller.report(StepReport(batch_size=1, k=0, forward_seconds=None, rows=1, verify_seconds=1.0,
-                                 outcomes=[(estimate, 0, 0)]))
+                                 outcomes=[Outcome(estimate, 0, 0)]))
     assert controller.costs.draft_time(1) == 0.01 and controller.costs.verify_time(2) == 1.05
     assert estimate.rate > AcceptanceEstimate().rate and controller.acceptance.rate > AcceptanceEstimate().rate
     assert controller.choose([estimate], [100], [1000]) == [4]  # cheap drafts, high acceptance: K_max
     for _ in range(30):  # every draft rejected: speculation stops
-        controller.report(StepReport(1, 4, 0.01, 5, 1.25, [(estimate, 4, 0)]))
+        controller.report(StepReport(1, 4, 0.01, 5, 1.25, [Outcome(estimate, 4, 0)]))
     assert controller.new_estimate().rate < 0.3
     assert controller.choose([estimate], [100], [1000]) == [0]
 

@@ -8,6 +8,7 @@ controller's, `SpeculationController`), and returns a `plan.StepPlan`; who runs 
 
     proposal = proposer.propose(plan.decoding, plan.ks)  # drafts
     drafts = controller.cut(proposal.drafts, ...)  # (labelled drafts: cut where their tokens stop paying)
+    plan.take_pages(cache, drafts)  # each row's K/V pages for the pass, at most the plan's
     logits, hidden = target([last, *draft] per row)  # one pass for the batch (+ the riding prompt's rows)
     per sequence: verification.judge (accept, KVCache.commit) -> Sequence.emit (OutputText.append) -> output
     proposer.observe(..., hidden); controller.report(plan.step_report(...))
@@ -153,6 +154,7 @@ class Engine:
         drafts = self.controller.cut([verifiable(seq, d, self.vocab_size) for seq, d in zip(seqs, proposal.drafts)],
                                      [s.estimate for s in seqs])
         t1 = self._now()
+        plan.take_pages(self.cache, drafts)
         target_logits, hidden = verify(self.target, self.cache, seqs, drafts, self.proposer.feature_layers,
                                        riding and riding.rows)  # [B, T, V], [B (+ 1 riding), T, F]
         t2 = self._now()

@@ -46,8 +46,8 @@ class StepPlanner:
             if config.prefill_itl_factor else None
 
     def plan(self) -> StepPlan:
-        """Preempt the newest while the batch outgrows the pools, read joining prompts (`prompts`), and choose
-        each running sequence's K."""
+        """Preempt the newest while the batch outgrows the pools, read joining prompts (`prompts`), choose each
+        running sequence's K, and the pages each row of the decoding pass may take (`StepPlan.pages`)."""
         preempted = []
         while (seq := self.scheduler.victim()) is not None:  # the newest steps out
             self.preempt(seq)
@@ -58,7 +58,12 @@ class StepPlanner:
         ks = self.controller.choose([s.estimate for s in seqs], [s.params.max_tokens - s.num_output for s in seqs],
                                     [self.config.max_model_len - len(s.tokens) for s in seqs],
                                     [len(s.tokens) for s in seqs]) if seqs else []
-        return StepPlan(seqs, ks, riding, fed, preempted)
+        plan = StepPlan(seqs, ks, riding, fed, preempted)
+        plan.width = max(1 + max(map(self.proposer.max_width, ks), default=0), plan.read)
+        plan.pages = [self.cache.pages_to_take(s.row, self.cache.lengths[s.row] + plan.width) for s in seqs]
+        if riding is not None:
+            riding.pages = self.cache.pages_to_take(riding.seq.row, riding.rows.start + plan.width)
+        return plan
 
     def prompts(self, fed: PromptsRead) -> Riding | None:
         """Feed joining sequences up to `prefill_chunk` prompt tokens in all, in passes of their own (counted

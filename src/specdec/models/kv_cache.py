@@ -202,6 +202,14 @@ class KVCache:
         if fresh:
             self._zero(*fresh)
 
+    def pages_to_take(self, row: int, slots: int, start: int | None = None) -> int:
+        """Pages of the pool that `reserve(row, slots, start)` takes: those `row` lacks for its first `slots` slots,
+        and a copy of each page of slots [start, slots) that others hold. Example: a row of 20 committed slots
+        holding 2 pages, none shared -> 0 for 32 slots, 1 for 33."""
+        pages, need = self.pages[row], self.pages_for(slots)
+        first = (self.lengths[row] if start is None else start) // PAGE
+        return max(0, need - len(pages)) + sum(self.refs[pages[i]] > 1 for i in range(first, min(need, len(pages))))
+
     def reserve_slots(self, slots: torch.Tensor) -> None:
         """Reserve what writing `slots` [B, T] (row b's slots in row b) needs."""
         for row, (first, last) in enumerate(zip(slots.amin(1).tolist(), slots.amax(1).tolist())):

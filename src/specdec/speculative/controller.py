@@ -48,7 +48,7 @@ matched token ~20%, and one rate for both either cuts the sure runs short or ver
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from specdec.speculative.costs import AcceptanceEstimate, CostModel, default_clock, expected_tokens
 
@@ -264,6 +264,29 @@ class ByKind:
         return best_w
 
 
+class Outcome(NamedTuple):
+    """One judged sequence's draft in a step: its estimate, the draft's depth, the tokens accepted of it."""
+
+    estimate: AcceptanceEstimate
+    depth: int
+    accepted: int
+
+
+class LabelledOutcome(NamedTuple):
+    """One judged labelled draft (`Draft.kinds`): its sequence's estimate, its tokens' kinds, those accepted."""
+
+    estimate: AcceptanceEstimate
+    kinds: list[int]
+    accepted: int
+
+
+class PassRows(NamedTuple):
+    """A target pass's rows (all it computed) and its seconds (`CostModel.record_pass`)."""
+
+    rows: int
+    seconds: float
+
+
 @dataclass
 class StepReport:
     """What the engine tells the controller after a decoding step."""
@@ -273,11 +296,9 @@ class StepReport:
     forward_seconds: float | None  # one drafting forward (the proposal's measure); None: not measured
     rows: int  # rows in the target pass (batch size x its width)
     verify_seconds: float | None  # None: not a measure of those rows (a joining prompt's rode in the pass)
-    outcomes: list[tuple[AcceptanceEstimate, int, int]]  # each judged sequence: (its estimate, depth, accepted)
-    # each judged labelled draft: (its sequence's estimate, its kinds, accepted)
-    kinds: list[tuple[AcceptanceEstimate, list[int], int]] = field(default_factory=list)
-    # a pass that a joining prompt's rows rode in: (all its rows, seconds) (`CostModel.record_pass`)
-    ride: tuple[int, float] | None = None
+    outcomes: list[Outcome]  # each judged sequence's
+    kinds: list[LabelledOutcome] = field(default_factory=list)  # each judged labelled draft's
+    ride: PassRows | None = None  # a pass that a joining prompt's rows rode in
 
 
 class SpeculationController:
@@ -375,22 +396,22 @@ class SpeculationController:
         if step.verify_seconds is not None:
             self.costs.record_verify(step.rows, step.verify_seconds)
         if step.ride is not None:
-            self.costs.record_pass(*step.ride)
-        for estimate, depth, accepted in step.outcomes:
-            estimate.update(depth, accepted, self.decay)
-            self.acceptance.update(depth, accepted, self.decay)
-            if estimate.read_prompt and depth > 0:
+            self.costs.record_pass(step.ride.rows, step.ride.seconds)
+        for o in step.outcomes:
+            o.estimate.update(o.depth, o.accepted, self.decay)
+            self.acceptance.update(o.depth, o.accepted, self.decay)
+            if o.estimate.read_prompt and o.depth > 0:
                 if self.with_prompt is None:  # the prior, worth one drafted token
                     self.with_prompt = AcceptanceEstimate.with_prior(self.PROMPT_PRIOR, weight=1.0)
-                self.with_prompt.update(depth, accepted, self.decay)
+                self.with_prompt.update(o.depth, o.accepted, self.decay)
         if isinstance(self.policy, ByKind):
             self.policy.rates.step()
-            for estimate, kinds, accepted in step.kinds:
-                self.policy.rates.learn(kinds, accepted, estimate)
-            learned = {id(estimate) for estimate, _, _ in step.kinds}
-            for estimate, _, _ in step.outcomes:
-                if id(estimate) not in learned:
-                    self.policy.rates.relax(estimate)
+            for o in step.kinds:
+                self.policy.rates.learn(o.kinds, o.accepted, o.estimate)
+            learned = {id(o.estimate) for o in step.kinds}
+            for o in step.outcomes:
+                if id(o.estimate) not in learned:
+                    self.policy.rates.relax(o.estimate)
 
     def record_prefill(self, model: str, tokens: int, seconds: float) -> None:
         self.costs.record_prefill(model, tokens, seconds)
