@@ -29,4 +29,6 @@ def test_the_engine_behaves_as_recorded(name):
         pytest.skip(f"recorded on {RECORDED['machine']}, not this machine ({engine_fingerprint.machine()})")
     with engine_fingerprint.torch.no_grad():
         assert SCENARIOS[name]() == RECORDED["hashes"][name], \
-            f"{name}: the engine's outputs, metrics or pages changed"
+            f"{name}: the engine's outputs, metrics or pages changed; a refactor must change none of them (a " \
+            "change meant to, a schedule's or a metric's, records them again: python tests/engine_fingerprint.py " \
+            "--record, and says so in its commit)"
