@@ -4,7 +4,7 @@ scenario, a sha256 over every step's streamed outputs (token ids, text, finish),
 log-probabilities and metrics (times included: every engine runs on `step_clock`, which counts readings).
 
 Scenarios: plain decoding batched past max_batch_size with sampled requests asking for log-probabilities;
-prompt lookup and a draft model (fixed and adaptive K); Medusa and an EAGLE tree; prefix-cache hits (a turn
+prompt lookup and a draft model (fixed and adaptive K); Medusa, an EAGLE tree and a dynamic one; prefix-cache hits (a turn
 after a turn, salted and not); preemption under a small pool (plain, prompt lookup, draft model, suffix, auto)
 with prompts riding in the running rows' passes.
 
@@ -33,7 +33,9 @@ from specdec.speculative.draft_model import DraftModelProposer  # noqa: E402
 from specdec.speculative.proposers import NgramProposer  # noqa: E402
 from test_engine_tiny import MAX_LEN, draft, target  # noqa: E402
 from test_preemption import PROMPTS as POOL_PROMPTS, engine_for  # noqa: E402
-from test_prefix_cache import make_engine  # noqa: E402
+from specdec.speculative.head_proposers import EagleProposer  # noqa: E402
+from specdec.speculative.tree import DynamicTree  # noqa: E402
+from test_prefix_cache import make_engine, random_head  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [tuple((5 * i + 11 * j + 2) % 90 for i in range(10 + 7 * j)) for j in range(4)]
@@ -83,6 +85,13 @@ def fingerprint(engine: Engine, requests, join_at=None) -> str:
     return h.hexdigest()
 
 
+def dynamic_tree_engine(batch: int = 2) -> Engine:
+    """EAGLE-2's dynamic tree (top 2, beam 2, 3 deep) on random heads."""
+    proposer = EagleProposer(random_head("eagle"), 97, batch, MAX_LEN, DynamicTree(2, 2), max_depth=3)
+    return Engine(target("fp32"), FakeTokenizer(), proposer, num_speculative_tokens=3, max_model_len=MAX_LEN,
+                  max_batch_size=batch, prefill_chunk=8, clock=step_clock())
+
+
 def reqs(prompts, params, salts=None):
     return [(f"r{i}", p, params[i % len(params)], None if salts is None else salts[i])
             for i, p in enumerate(prompts)]
@@ -113,7 +122,8 @@ def scenarios():
 
     def heads(kind: str):
         def f():
-            e = make_engine(kind, chunk=8, batch=2, clock=step_clock())
+            e = dynamic_tree_engine() if kind == "eagle dynamic tree" else \
+                make_engine(kind, chunk=8, batch=2, clock=step_clock())
             return fingerprint(e, reqs(PROMPTS[:3], [GREEDY, sampled(4)]), join_at=[0, 2, 2])
         return f
 
@@ -139,7 +149,7 @@ def scenarios():
     yield "ngram K=4 adaptive", ngram(True)
     yield "draft model K=3", draft_model(False)
     yield "draft model K=3 adaptive", draft_model(True)
-    for kind in ("medusa", "eagle tree"):
+    for kind in ("medusa", "eagle tree", "eagle dynamic tree"):
         yield f"{kind}", heads(kind)
     for kind in ("plain", "ngram", "draft model", "eagle"):
         yield f"prefix cache hits, {kind}", prefix(kind)

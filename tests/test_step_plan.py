@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import specdec.engine.engine as engine_module
+from engine_fingerprint import dynamic_tree_engine
 from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.config import SamplingParams
 from specdec.engine import Engine
@@ -23,12 +24,15 @@ PROMPTS = [tuple((5 * i + 11 * j + 2) % 90 for i in range(10 + 7 * j)) for j in 
 
 
 def engine_of(kind: str) -> Engine:
+    if kind == "eagle dynamic tree":  # (no draft at K = 0, its last step's: max_width(0) is 0)
+        return dynamic_tree_engine(batch=3)
     if kind.startswith("pool, "):  # rows that outgrow a small pool, prompts riding in the running rows' passes
         return engine_for(kind.removeprefix("pool, "))
     return make_engine(kind, chunk=8, batch=3)
 
 
-@pytest.mark.parametrize("kind", ["plain", "ngram", "draft model", "eagle tree", "pool, ngram", "pool, suffix"])
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft model", "eagle tree", "eagle dynamic tree", "pool, ngram",
+                                  "pool, suffix"])
 def test_the_pass_takes_its_pages_from_the_plan(kind, monkeypatch):
     engine = engine_of(kind)
     cache = engine.cache

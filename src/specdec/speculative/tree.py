@@ -83,7 +83,9 @@ class DynamicTree:
             raise ValueError("a dynamic tree needs top_k >= 1 and beam >= 1")
 
     def max_nodes(self, depth: int) -> int:
-        return self.top_k + (depth - 1) * self.beam * self.top_k
+        """The most nodes a tree `depth` deep holds (none for depth 0). Example: top_k 2, beam 2, depth 3 ->
+        2 + 4 + 4 = 10."""
+        return self.top_k + (depth - 1) * self.beam * self.top_k if depth > 0 else 0
 
 
 def depths(parents: Seq[int]) -> list[int]:
