@@ -316,8 +316,9 @@ X16_OTHER = {2: 6, 6: 8, 12: 14, 14: 12}  # another type of the same block size,
 @pytest.mark.parametrize("qtype", sorted(X16), ids=list(X16.values()))
 def test_16_channels_side_by_side_give_the_file_layouts_bits_for_any_rows_build_and_threads(qtype):
     """Q4_K / Q6_K / Q4_0 / Q5_0 repacked 16 channels side by side (the kernels with the channels in the lanes) against
-    the file's layout: the same bits for 1-64 rows, bf16 and fp32 activations, with a bias and next to other
-    segments, one or two threads, on each build that runs here (AVX-512 and AVX2 kernels of their own, the
+    the file's layout: the same bits for 1-136 rows (Q6_K from 16 rows a block: the wide kernels that unpack each
+    weight block once for all of them; 136: two blocks of rows), bf16 and fp32 activations, with a bias and next to
+    other segments, one or two threads, on each build that runs here (AVX-512 and AVX2 kernels of their own, the
     portable loop elsewhere), and across builds."""
     K, N = 768, 48
     w = random_blocks(qtype, N, K, seed=5)
@@ -327,9 +328,9 @@ def test_16_channels_side_by_side_give_the_file_layouts_bits_for_any_rows_build_
     bias = torch.randn(N + 16)
     for isa in [i for i in ISAS if i != "generic"]:  # (the portable loop: against them below)
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(64, K, dtype=dtype)
-            alone = torch.cat([qgemm.qmm(x[m:m + 1], [w16], [xtype], isa=isa) for m in range(64)])
-            for M in (1, 2, 3, 4, 5, 7, 9, 13, 64):
+            x = torch.randn(136, K, dtype=dtype)
+            alone = torch.cat([qgemm.qmm(x[m:m + 1], [w16], [xtype], isa=isa) for m in range(136)])
+            for M in (1, 2, 3, 4, 5, 7, 9, 13, 16, 17, 64, 131, 136):
                 assert torch.equal(qgemm.qmm(x[:M], [w], [qtype], isa=isa), alone[:M]), (isa, dtype, M)
                 assert torch.equal(qgemm.qmm(x[:M], [w16], [xtype], isa=isa), alone[:M]), (isa, dtype, M)
             both = qgemm.qmm(x[:6], [w16, other], [xtype, X16_OTHER[qtype]], bias, isa=isa)
@@ -361,12 +362,36 @@ def test_16_channels_side_by_side_at_the_largest_integer_sums(qtype):
     w = w.reshape(N, -1)
     w16 = qgemm.repack_x16(w, qtype)
     sign = torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)
-    x = torch.stack([torch.ones(K), -torch.ones(K), sign, torch.ones(K)])
+    x = torch.stack([torch.ones(K), -torch.ones(K), sign, torch.ones(K)]).repeat(4, 1)
     for isa in ISAS:  # (AVX2: the i16 sums of a sub-block at their largest, 30480 for Q4_K and 32004 for Q6_K)
-        for M in (1, 2, 4):
+        for M in (1, 2, 4, 16):  # (16: Q6_K's wide kernels)
             y = qgemm.qmm(x[:M], [w16], [qgemm.X16_TYPES[qtype]], isa=isa)
             assert torch.equal(y, qgemm.qmm(x[:M], [w], [qtype], isa="generic")), (isa, M)
             assert y.abs().max() > 0
+
+
+def test_wide_kernels_on_or_off_give_the_same_bits_and_the_switch_is_checked(monkeypatch):
+    """`set_wide_rows` (SPECDEC_QGEMM_WIDE_ROWS): Q6_K's wide kernels from any row count, or never, give the
+    bits of groups of 4 rows; a value that is not a row count is refused by name."""
+    K, N = 512, 32
+    w16 = qgemm.repack_x16(random_blocks(14, N, K, seed=8), 14)
+    x = torch.randn(40, K)
+    for isa in [i for i in ISAS if i != "generic"]:
+        lib = qgemm.ops(isa)
+        default = lib.wide_rows()
+        try:
+            outs = []
+            for rows in (0, 1, 5, 16, 200):
+                lib.set_wide_rows(rows)
+                outs.append(qgemm.qmm(x, [w16], [qgemm.Q6_K_X16], isa=isa))
+        finally:
+            lib.set_wide_rows(default)
+        assert all(torch.equal(o, outs[0]) for o in outs), isa
+    monkeypatch.setenv("SPECDEC_QGEMM_WIDE_ROWS", "many")
+    with pytest.raises(ValueError, match="SPECDEC_QGEMM_WIDE_ROWS"):
+        qgemm.wide_rows()
+    monkeypatch.setenv("SPECDEC_QGEMM_WIDE_ROWS", "0")
+    assert qgemm.wide_rows() == 0
 
 
 def test_16_channel_layouts_refuse_what_they_cannot_lay_out():

@@ -90,6 +90,9 @@ def ops(isa: str | None = None):
             lib_ops = native.load_ops(f"specdec_qgemm_{isa}")
             if isa.startswith("avx512"):
                 lib_ops.set_pair_rows(tuning.pair_rows(isa, lib_ops))
+            wide = wide_rows()
+            if wide is not None:
+                lib_ops.set_wide_rows(wide)
             _ops[isa] = lib_ops
     return _ops[isa]
 
@@ -105,6 +108,18 @@ def interleaved_types() -> frozenset[int]:
     if forced is not None:
         return frozenset(X16_TYPES) if forced else frozenset()
     return {"avx512vnni": frozenset(X16_TYPES), "avx2": frozenset({Q4_K, Q6_K})}.get(best_isa(), frozenset())
+
+
+def wide_rows() -> int | None:
+    """From how many rows in a block of 128 the 16-channel Q6_K layout unpacks each weight block once for all of
+    them rather than once a group of 4 (the same bits): `SPECDEC_QGEMM_WIDE_ROWS`, 0 for never; None (unset)
+    keeps the kernels' default, 16."""
+    value = os.environ.get("SPECDEC_QGEMM_WIDE_ROWS")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"SPECDEC_QGEMM_WIDE_ROWS={value!r}; give a row count (0: never)")
+    return int(value)
 
 
 def widens_q5_0() -> bool:

@@ -11,6 +11,9 @@ namespace {
 using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
 // Two weight rows at a time (w[0], w[1]) for one or two rows: out[r] and out[rows + r].
 using Dot2Fn = void (*)(const uint8_t* const*, int64_t, const Acts&, int64_t, float*);
+// Many rows x one block of 16 channels (w, nb, acts, first row, rows, out[16 r + c]): `dot`'s bits for every row,
+// the block's quants unpacked once for all the rows (wide_x16, repack/x16.h).
+using WideFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, int64_t, float*);
 
 // bit r - 1: groups of r rows (r = 1, 2) take the two-channel kernels where a type has them (the same bits
 // as the one-channel ones; which is faster depends on the core: `set_pair_rows`, from the tuning file)
@@ -26,6 +29,7 @@ struct Format {
   int orders;        // the activations' orders its 512-bit kernels read (kOrderQ45, kOrderQ6; acts.h)
   DotFn (*dot)(int rows);    // the kernel for a group of `rows` rows (1..kMaxRows; interleaved 1..4)
   Dot2Fn (*dot2)(int rows);  // two channels at a time, or nullptr (not offered, or not chosen for `rows`)
+  WideFn wide = nullptr;     // a wide pass's rows (16-channel layouts), or nullptr: groups of `dot`
 };
 
 // A kernel family's `K::dot<R>()` for a run-time row count: R = 1 .. kMaxRows (the build's, isa/vec.h), else

@@ -22,6 +22,8 @@ std::vector<int64_t> formats();  // the block formats' table, 4 numbers an entry
 bool uses_tiles();
 void set_pair_rows(int64_t mask);
 int64_t pair_rows();
+void set_wide_rows(int64_t rows);
+int64_t wide_rows();
 // repack/: the 16-channel layouts; quant/q32.h: a Q8_0 copy of Q5_0 blocks, a Q4_0 copy of Q8_0 / Q5_0 blocks
 at::Tensor repack_q4k_x16(at::Tensor w);
 at::Tensor repack_q6k_x16(at::Tensor w);

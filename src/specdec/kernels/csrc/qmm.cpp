@@ -32,6 +32,15 @@ namespace SPECDEC_QLIB {
 // latencies for one or two rows; on Zen 4 the one-channel kernel is faster, the two-row pair costing about
 // what 4 rows do in one channel). qgemm.py sets it from the tuning file ($SPECDEC_HOME/tuning.json).
 constexpr int64_t kX16RowBlock = 128;
+// From this many rows in a block, the 16-channel layouts that have a wide kernel (Q6_K's) unpack each weight
+// block once for all of them (`Format::wide`) rather than once a group of 4; 0: never (`set_wide_rows`, to
+// measure one against the other: the bits are the same). Measured on Zen 4, one thread, Q6_K: 16 rows 1.16x
+// (AVX2) and 1.05x (AVX-512), 128 rows 1.25x and 1.13x; 8 rows 0.97-0.99x. Q4_K's nibbles cost too little
+// to gain from it (1.03x on AVX2 at 128 rows, 0.91x on AVX-512): it has none.
+std::atomic<int64_t> g_wide_rows{16};
+
+void set_wide_rows(int64_t rows) { g_wide_rows.store(rows); }
+int64_t wide_rows() { return g_wide_rows.load(); }
 
 void set_pair_rows(int64_t mask) { g_pair_rows.store(static_cast<int>(mask & 3)); }
 int64_t pair_rows() { return g_pair_rows.load(); }
@@ -119,11 +128,13 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
   std::atomic<int64_t> next{0};
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
   const bool out_bf16 = out_type == at::kBFloat16;
+  const int64_t wide_from = g_wide_rows.load(std::memory_order_relaxed);
   at::BFloat16* yb = out_bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
   float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     float res[2 * kMaxRows];
     alignas(64) float res16[64];
+    alignas(64) float wide[16 * kX16RowBlock];
 #if defined(SPECDEC_AMX)
     if (amx) amx_configure();
 #endif
@@ -159,20 +170,30 @@ at::Tensor qmm(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> ty
         // Many rows go in blocks of kX16RowBlock: a block's activations stay in L2 while it sweeps the tile's
         // columns (all 512 rows of a prompt chunk at once were read from L3 for every column: gate/up 1.2x
         // and Q6_K down 1.2x the time, AVX2 build). Which rows share a kernel call never changes the bits.
+        auto put = [&](int64_t n, int64_t m0, int64_t rows, const float* v) {  // v[16 r + c] -> y[m0 + r, n + c]
+          for (int64_t r = 0; r < rows; ++r)
+            for (int c = 0; c < 16; ++c) {
+              const float o = bp ? v[16 * r + c] + bp[n + c] : v[16 * r + c];
+              if (out_bf16) yb[(m0 + r) * N + n + c] = static_cast<at::BFloat16>(o);
+              else yf[(m0 + r) * N + n + c] = o;
+            }
+        };
         for (int64_t r0 = 0; r0 < M; r0 += kX16RowBlock) {
           const int64_t MB = std::min(kX16RowBlock, M - r0), G = (MB + 3) / 4;
-          for (int64_t n = n0; n < n1; n += 16)
+          for (int64_t n = n0; n < n1; n += 16) {
+            const uint8_t* wn = wbase + (n - starts[s]) / 16 * row_bytes;
+            if (f.wide != nullptr && wide_from > 0 && MB >= wide_from) {  // each weight block unpacked once for all MB rows
+              f.wide(wn, nb, a, r0, MB, wide);
+              put(n, r0, MB, wide);
+              continue;
+            }
             for (int64_t g = 0; g < G; ++g) {
               const int64_t m0 = r0 + g * (MB / G) + std::min(g, MB % G);
               const int rows = static_cast<int>(MB / G + (g < MB % G ? 1 : 0));
-              f.dot(rows)(wbase + (n - starts[s]) / 16 * row_bytes, nb, a, m0, res16);
-              for (int r = 0; r < rows; ++r)
-                for (int c = 0; c < 16; ++c) {
-                  const float o = bp ? res16[16 * r + c] + bp[n + c] : res16[16 * r + c];
-                  if (out_bf16) yb[(m0 + r) * N + n + c] = static_cast<at::BFloat16>(o);
-                  else yf[(m0 + r) * N + n + c] = o;
-                }
+              f.dot(rows)(wn, nb, a, m0, res16);
+              put(n, m0, rows, res16);
             }
+          }
         }
         continue;
       }

@@ -6,6 +6,8 @@ TORCH_LIBRARY(SPECDEC_QLIB, m) {
   m.def("uses_tiles() -> bool", &uses_tiles);
   m.def("set_pair_rows(int mask) -> ()", &set_pair_rows);
   m.def("pair_rows() -> int", &pair_rows);
+  m.def("set_wide_rows(int rows) -> ()", &set_wide_rows);
+  m.def("wide_rows() -> int", &wide_rows);
   m.def("formats() -> int[]", &formats);
   m.def("qmm(Tensor x, Tensor[] ws, int[] types, Tensor? bias, ScalarType? out_dtype=None) -> Tensor", &qmm);
   m.def("repack_q4k_x16(Tensor w) -> Tensor", &repack_q4k_x16);
