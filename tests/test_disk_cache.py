@@ -204,3 +204,39 @@ def test_damaged_files_on_disk_are_recomputed_with_the_same_output(tmp_path):
     assert again.token_ids == first.token_ids
     assert again.metrics.disk_cached_tokens == 16  # the chain stops at the damaged block: only block 0 read
     assert damaged.read_bytes() != bytes(raw)  # removed, then written again whole when the row was saved
+
+
+@pytest.mark.parametrize("block_size", [8, 16], ids=["copied", "mapped"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["draft model", "eagle", "eagle tree"])
+def test_the_drafts_own_blocks_follow_the_targets_onto_disk(tmp_path, kind, sampled, block_size):
+    """With the draft's cache kept on disk too (`DiskTier.names`), a restarted engine reads a draft model's K/V
+    and EAGLE's pairs back with the target's: the bits its first process computed, the draft model reads none
+    of the prompt itself, EAGLE starts from the whole blocks (without them it starts from none), and every
+    output is the one an engine without a cache gives (greedy: plain decoding's)."""
+    names = {"target": "target", "draft": "draft-0123456789abcdef"}
+    disk = lambda: DiskTier(tmp_path, "space", 1 << 30, names)  # noqa: E731
+    engine = make_engine(kind, 64, blocks=64, block=block_size, prefix_disk=disk())
+    first = run(engine, [("first", A, params(sampled, 1))])["first"]
+    held = len(A) + len(first.token_ids) - 1  # the tokens the finished row held
+    keys = block_keys(list(A + tuple(first.token_ids)), block_size)[:held // block_size]
+    written = {key: engine.prefix_cache._block_data("draft", engine.prefix_cache.blocks[key]).clone() for key in keys
+               if "draft" in engine.prefix_cache.blocks[key].caches}
+    assert len(written) >= 36 // block_size
+    assert all(disk().has(key, names["draft"]) for key in written)
+    restarted = make_engine(kind, 64, blocks=64, block=block_size, prefix_disk=disk())
+    fed = []
+    if kind == "draft model":  # what the draft model computes of the prompt itself
+        prefill = restarted.proposer.prefill
+        restarted.proposer.prefill = lambda seq, start, stop: fed.append(stop - start) or prefill(seq, start, stop)
+    again = run(restarted, [("again", A, params(sampled, 2))])["again"]
+    whole = 36 // block_size
+    assert again.metrics.cached_tokens == again.metrics.disk_cached_tokens == cached(whole, kind, 0, block_size)
+    if kind == "draft model":
+        assert sum(fed) == 36 - whole * block_size  # it read only the tokens past the blocks
+    pc = restarted.prefix_cache
+    for key in keys[:whole]:  # restored bits == computed bits
+        assert torch.equal(pc._block_data("draft", pc.blocks[key]), written[key])
+    assert again.token_ids == cold(kind, 64, A, params(sampled, 2))
+    if not sampled:
+        assert again.token_ids == cold("plain", 64, A, params(sampled, 2))

@@ -27,7 +27,7 @@ import torch
 from specdec.config import (KV_FORMATS, CacheConfig, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
                             specdec_home)
 from specdec.engine import Engine
-from specdec.engine.disk_cache import NUMERICS_VERSION, DiskTier, file_digest, namespace
+from specdec.engine.disk_cache import NUMERICS_VERSION, DiskTier, drafter_name, file_digest, namespace
 from specdec.engine.memory import default_budget, device_memory, plan_memory
 from specdec.engine.outputs import RequestOutput
 from specdec.fan_out import pick_best, sub_requests
@@ -226,7 +226,8 @@ class LLM:
         """The prefix cache's disk tier: under `directory` (default $SPECDEC_PREFIX_CACHE_DIR, else
         $SPECDEC_HOME/kv), in a folder named by what
         decides the K/V's bits (the model file's digest, weights, dtypes, the K/V format, the kernels' numerics:
-        the AMX build's attention tiles round otherwise), within `gigabytes` shared by the processes there."""
+        the AMX build's attention tiles round otherwise), within `gigabytes` shared by the processes there. A
+        draft model's or EAGLE's K/V are kept there too, in files named by their weights' digest and format."""
         if gigabytes <= 0:
             raise ValueError(f"prefix_cache_disk_gb must be positive, got {gigabytes}")
         numerics = self.device.type
@@ -239,7 +240,12 @@ class LLM:
         space = namespace(file_digest(self.target_path, specdec_home()), self.quantization, self.dtype,
                           self.kv_cache_dtype, numerics, NUMERICS_VERSION, self.memory_plan.prefix_block_size)
         root = directory or os.environ.get("SPECDEC_PREFIX_CACHE_DIR") or specdec_home() / "kv"
-        return DiskTier(Path(root), space, int(gigabytes * 2**30))
+        names = {"target": "target"}
+        parts = self.drafters.kv_name_parts()
+        if parts is not None:  # the drafter's K/V beside the target's, named by what else decides their bits
+            names["draft"] = drafter_name(*(file_digest(p, specdec_home()) if isinstance(p, Path) else p
+                                            for p in parts))
+        return DiskTier(Path(root), space, int(gigabytes * 2**30), names)
 
     # ----------------------------------------------------------------------------------- generation
     def generate(

@@ -56,10 +56,20 @@ def namespace(*parts: object) -> str:
     return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:32]
 
 
+def drafter_name(*parts: object) -> str:
+    """The file name of a drafter's blocks whose bits `parts` decide beside the namespace's (its weights' digest,
+    format, dtype, K/V format, method): "draft-" and 16 hex digits. Example: a draft model's blocks beside
+    the target's, in the target's folder, so that one budget and one LRU order hold both."""
+    return "draft-" + namespace(*parts)[:16]
+
+
 class DiskTier:
     """Blocks of K/V on disk under `root / space`, within `budget` bytes (shared with other processes there)."""
 
-    def __init__(self, root: str | Path, space: str, budget: int) -> None:
+    def __init__(self, root: str | Path, space: str, budget: int, names: dict[str, str] | None = None) -> None:
+        """`names`: the caches whose blocks it keeps (a prefix cache's names) and the name of their files: the
+        target's "target" (the namespace is its bits'); a drafter's own K/V (a draft model's, EAGLE's pairs)
+        under a name that holds the digest of what else decides their bits (`drafter_name`)."""
         if budget <= 0:
             raise ValueError(f"a disk tier needs a positive budget, got {budget} bytes")
         root = Path(root).expanduser()
@@ -69,6 +79,7 @@ class DiskTier:
         for d in (root, self.dir):
             os.chmod(d, 0o700)
         self.budget = budget
+        self.names = {"target": "target"} if names is None else dict(names)
         self.stats = DiskStats()
         self._lock = self.dir / ".lock"
         self._since_check = 0  # bytes written since the directory's size was last summed

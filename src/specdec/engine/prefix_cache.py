@@ -29,7 +29,9 @@ guess).
 With a disk tier (`disk_cache.DiskTier`), every whole block the target's cache saves is also written to disk
 under its key, and a lookup whose chain the RAM blocks stop short of reads the next blocks from disk into RAM
 blocks (a page of the mapped cache each), which are then restored as any cached block is: a restarted
-process, or one sharing the directory, finds a prompt read before without computing it.
+process, or one sharing the directory, finds a prompt read before without computing it. Where the tier keeps
+the draft's cache too (`DiskTier.names`), its blocks are written alike and read back when a proposer asks
+which blocks hold it (`held`).
 
 When the pool is full, saving evicts the least recently used block, but never one whose pages a row holds too
 (mapped into a running sequence, or still its own: evicting it would free no memory, as vLLM keeps a block
@@ -72,6 +74,7 @@ class Block:
     caches: set[str] = field(default_factory=set)  # the names of the caches saved into it
     size: int = 0  # the tokens it holds: block_size, or fewer for a tail
     pages: dict[str, int] = field(default_factory=dict)  # mapped caches: the page of each that it holds
+    key: bytes = b""  # its key in `PrefixCache.blocks` (a block's files on disk are named by it)
 
 
 def root_key(salt: str | None) -> bytes:
@@ -183,7 +186,7 @@ class PrefixCache:
         """The blocks of `keys` (from the first, as long as each is on disk and intact) read into RAM blocks."""
         out: list[Block] = []
         for key in keys:
-            got = self.disk.read(key, "target")
+            got = self.disk.read(key, self.disk.names["target"])
             if got is None or got[1] != self.block_size:
                 break
             block = self._allocate(key, keep, self.block_size)
@@ -246,10 +249,21 @@ class PrefixCache:
                 return block
         return None
 
-    @staticmethod
-    def held(name: str, chain: list[Block]) -> int:
-        """How many blocks from the first of `chain` hold cache `name`."""
-        return next((i for i, block in enumerate(chain) if name not in block.caches), len(chain))
+    def held(self, name: str, chain: list[Block]) -> int:
+        """How many blocks from the first of `chain` hold cache `name`: those in RAM, then, where the disk tier
+        keeps that cache, the next ones whose blocks of it are read back from disk (a restarted process finds a
+        draft model's K/V and EAGLE's pairs there as the target's: reading them back costs a fraction of a
+        second for 20k tokens, where recomputing a draft model's costs a prefill of its own, and EAGLE's a
+        prefill of the target for its features)."""
+        n = next((i for i, block in enumerate(chain) if name not in block.caches), len(chain))
+        file = self.disk.names.get(name) if self.disk is not None else None
+        while file is not None and n < len(chain):
+            block = chain[n]
+            got = self.disk.read(block.key, file) if block.size == self.block_size else None
+            if got is None or got[1] != self.block_size or not self._fill(name, block, got[0]):
+                break
+            n += 1
+        return n
 
     def save(self, name: str, keys: list[bytes], cache: KVCache, row: int, shift: int = 0, tail: int = 0) -> None:
         """Copy `row` of `cache` into the blocks `keys` (a chain from block 0) that do not hold `name` yet (a
@@ -307,12 +321,14 @@ class PrefixCache:
         self._write_disk(name, keys, todo)
 
     def _write_disk(self, name: str, keys: list[bytes], todo: list[tuple[int, Block]]) -> None:
-        """Write the target's newly saved whole blocks through to the disk tier (tails stay in RAM)."""
-        if self.disk is None or name != "target":
+        """Write the newly saved whole blocks of cache `name` through to the disk tier, if it keeps that cache
+        (tails stay in RAM)."""
+        file = self.disk.names.get(name) if self.disk is not None else None
+        if file is None:
             return
         for i, block in todo:
             if block.size == self.block_size:
-                self.disk.write(keys[i], name, self._block_data(name, block), block.size)
+                self.disk.write(keys[i], file, self._block_data(name, block), block.size)
 
     def load(self, name: str, chain: list[Block], cache: KVCache, row: int, shift: int = 0,
              tail: Block | None = None) -> int:
@@ -418,7 +434,7 @@ class PrefixCache:
             del self.blocks[victim_key]
             block.caches.clear()
             self._drop_pages(block)
-        block.size = size
+        block.size, block.key = size, key
         self.blocks[key] = block
         return block
 

@@ -9,6 +9,7 @@ suffix drafts need no weights). The one place that loads what a config's method'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,17 @@ class Drafters:
     draft_model: torch.nn.Module | None = None
     draft_quantization: str | None = None  # the draft model's, resolved ("q4_0", "none", ...)
     heads: torch.nn.Module | None = None
+    path: Path | None = None  # the draft model's file or the heads' folder (what decides the bits of their K/V)
+
+    def kv_name_parts(self) -> tuple | None:
+        """What decides the bits of the drafter's own K/V beside the target's arithmetic (its weights' file, their
+        format and dtype, its K/V format, the method), for `disk_cache.drafter_name`; None where it keeps none."""
+        if self.draft_model is not None:
+            return ("draft_model", self.path, self.draft_quantization, self.draft_model.dtype,
+                    self.draft_model.kv_format, getattr(self.draft_model, "residual_dtype", None))
+        if self.heads is not None and self.heads.keeps_kv:
+            return (self.heads.config.method, self.path, self.heads.weight_format)
+        return None
 
     @property
     def memory_label(self) -> str:
@@ -95,28 +107,31 @@ def load_drafters(spec: SpeculativeConfig | None, target, tokenizer, load_model:
     if name is not None:
         quantization = resolve_quantization(spec.draft_quantization, device)
         draft_dtype = resolve_dtype(spec.draft_dtype, device) if spec.draft_dtype else dtype
-        draft, draft_tokenizer, _ = load_model(name, draft_dtype, device, quantization)
+        draft, draft_tokenizer, path = load_model(name, draft_dtype, device, quantization)
         check_draft_compatible(tokenizer, draft_tokenizer, target.config, draft.config)
         draft.kv_format = kv_format
-        return Drafters(draft_model=draft, draft_quantization=quantization)
-    return Drafters(heads=load_target_heads(spec, target))
+        return Drafters(draft_model=draft, draft_quantization=quantization, path=Path(path))
+    folder = target_heads_folder(spec, target)
+    return Drafters(heads=None if folder is None else load_heads(folder, target, *folder_method(spec),
+                                                               quantization=spec.draft_quantization), path=folder)
 
 
-def load_target_heads(spec: SpeculativeConfig | None, target) -> torch.nn.Module | None:
-    """The heads `spec` drafts with: its method's (`Model.HEADS`), or for one whose model may be either
-    (`Model.ANY`: "auto") those it names, else those shipped for the target (None where there are none: auto
-    speculation is then suffix drafts alone)."""
+def target_heads_folder(spec: SpeculativeConfig | None, target) -> Path | None:
+    """The folder of the heads `spec` drafts with: its method's (`Model.HEADS`), or for one whose model may be
+    either (`Model.ANY`: "auto") those it names, else those shipped for the target (None where there are none:
+    auto speculation is then suffix drafts alone)."""
     if spec is None or spec.num_speculative_tokens == 0 or not spec.record.takes_heads:
         return None
-    fmt = spec.draft_quantization  # (the heads' matrices: `load_heads`)
     if spec.record.model is Model.ANY:
         if spec.model:
-            if not is_heads_folder(spec.model):
-                return None  # (a draft model)
-            return load_heads(resolve_heads(spec.model), target, quantization=fmt)
-        folder = shipped_heads(target)
-        return None if folder is None else load_heads(folder, target, quantization=fmt)
-    return load_heads(resolve_heads(spec.model), target, spec.method, fmt)
+            return resolve_heads(spec.model) if is_heads_folder(spec.model) else None  # (else a draft model)
+        return shipped_heads(target)
+    return resolve_heads(spec.model)
+
+
+def folder_method(spec: SpeculativeConfig) -> tuple:
+    """`load_heads`' method argument: the config's method, or none for auto (the folder's own)."""
+    return () if spec.record.model is Model.ANY else (spec.method,)
 
 
 def _draft_model_name(spec: SpeculativeConfig) -> str | None:
