@@ -168,6 +168,10 @@ class Engine:
         draft_seconds, target_seconds = (t1 - t0) / len(seqs), (t2 - t1) / len(seqs)
         emitted = [isolated(seqs[b], seqs[b].emit, drafts[b], judged[b], draft_seconds, target_seconds) for b in live]
         done = [b for b, out in zip(live, emitted) if out is not None]
+        now = self._now()
+        for b in done:
+            if not seqs[b].metrics.first_token_time:
+                seqs[b].metrics.first_token_time = now - seqs[b].start_time
         if self.chunk_budget is not None:  # (a prompt read in a pass of its own counts as if it rode)
             self.chunk_budget.record(len(seqs), self._now() - t0 + plan.fed.seconds, plan.read + plan.fed.tokens)
         self.controller.report(step_report(plan, proposal, drafts, judged, done, t2 - t1))

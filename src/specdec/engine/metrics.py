@@ -34,6 +34,8 @@ class SpecMetrics:
     disk_cached_tokens: int = 0  # of those, the tokens whose blocks were read back from the disk tier
     preemptions: int = 0  # times it stepped out of the batch for want of K/V pages (and recomputed its tokens)
     prefill_time: float = 0.0  # seconds
+    restore_time: float = 0.0  # of the prompt's cached prefix restored (its blocks read from disk included)
+    first_token_time: float = 0.0  # from its arrival to its first output token (0: none yet)
     draft_time: float = 0.0
     target_time: float = 0.0
     total_time: float = 0.0
@@ -64,7 +66,7 @@ class SpecMetrics:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_passes", "emitted_tokens",
                      "prompt_tokens", "cached_tokens", "disk_cached_tokens", "preemptions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("prefill_time", "draft_time", "target_time", "total_time"):
+        for name in ("prefill_time", "restore_time", "draft_time", "target_time", "total_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if len(self.accepted_per_position) < len(other.accepted_per_position):
             self.accepted_per_position.extend([0] * (len(other.accepted_per_position) - len(self.accepted_per_position)))
@@ -112,6 +114,8 @@ class SpecMetrics:
             "disk_cached_tokens": self.disk_cached_tokens,
             "preemptions": self.preemptions,
             "prefill_time_s": round(self.prefill_time, 4),
+            "restore_time_s": round(self.restore_time, 4),
+            "first_token_time_s": round(self.first_token_time, 4),
             "draft_time_s": round(self.draft_time, 4),
             "target_time_s": round(self.target_time, 4),
             "total_time_s": round(self.total_time, 4),

@@ -97,6 +97,13 @@ class Prefill:
         """
         if seq.wants_prompt_logprobs:
             return 0
+        t0 = self.clock()
+        try:
+            return self._restore(seq, batch)
+        finally:
+            seq.metrics.restore_time += self.clock() - t0
+
+    def _restore(self, seq, batch: Joining) -> int:
         pc, row, tokens = self.prefix_cache, seq.row, seq.tokens[:-1]
         keys = pc.keys(tokens, seq.cache_salt)
         found = pc.lookup(keys)

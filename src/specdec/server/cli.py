@@ -101,6 +101,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="a Jinja chat template (a file, or the template itself) instead of the model's")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--log-requests", action="store_true",
+                        help="a line per finished request on stderr: its prompt (cached, from disk), the time to restore "
+                             "and compute it, its first token, its decoding")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="no line per request in the log (uvicorn's access log)")
     parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
@@ -263,6 +266,10 @@ def _serve(llm, names: list[str], args: argparse.Namespace, sampling_defaults: d
     from specdec.server.limits import uvicorn_config
 
     engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests, own_thread=False)
+    if args.log_requests:
+        from specdec.server.request_log import RequestLog
+
+        engine.add_step_listener(RequestLog().on_step)
     app = build_app(engine, names, **app_options(args, llm, names[0], sampling_defaults))
     config = uvicorn_config(app, args.host, args.port, timeout_headers=args.timeout_headers,
                             timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level,
