@@ -15,7 +15,7 @@ DIR; where DIR/kv already holds blocks, the first start (the cold pass: ~485 s o
 the restart is run, on those blocks. Claude Code's prompt holds its working directory and the date, so a
 folder is reused on the same path, its Claude Code state is put back as the first run left it (its prompt
 changes with that state), and `--tz` (a TZ for Claude Code, e.g. Etc/GMT+12) keeps the date the one the blocks
-were written on. The server's per-request timings (`--log-requests`) are in DIR/serve.log.
+were written on. The server's per-request timings (`serve --log-requests`) are in DIR/serve.log.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def main() -> None:
     ap.add_argument("--home", type=Path, default=None,
                     help="the run's folder, kept; where its kv/ holds blocks, only the restart is run")
     ap.add_argument("--tz", default=None, help="TZ for Claude Code (its prompt holds the date)")
-    ap.add_argument("--serve-arg", action="append", default=[], help="one more flag for specdec serve (repeatable)")
+    ap.add_argument("--serve-args", default="--log-requests",
+                    help="flags for specdec serve, in one string (default: its per-request timings in the log)")
     args = ap.parse_args()
     if shutil.which("claude") is None:
         sys.exit("claude is not on PATH: npm i -g @anthropic-ai/claude-code")
@@ -120,7 +121,7 @@ def main() -> None:
         if label == "after a restart" and not warm and state.is_dir():
             shutil.copytree(state, kept, dirs_exist_ok=True)
         t0 = time.perf_counter()
-        proc, url = start(kv, log, ["--log-requests", *args.serve_arg])
+        proc, url = start(kv, log, args.serve_args.split())
         up = time.perf_counter() - t0
         try:
             seconds, answer, rc = claude(url, args.prompt, home, args.tz)

@@ -20,7 +20,7 @@ import torch
 
 from specdec.engine.disk_cache import MAGIC, DiskTier, file_digest, namespace
 from specdec.engine.prefix_cache import block_keys
-from test_prefix_cache import A, KINDS, OTHER, cached, cold, make_engine, params
+from test_prefix_cache import A, KINDS, OTHER, assert_pages_accounted, cached, cold, make_engine, params
 from test_engine_tiny import run
 
 KEY = bytes(range(32))
@@ -170,21 +170,23 @@ def test_a_restarted_engine_reads_the_prompt_from_disk_and_gives_the_output_of_n
                                                                                         block_size):
     """A 37-token prompt on one engine (its blocks written through to disk), then the same prompt and the next
     turn of that conversation on a fresh engine on the same directory, whose RAM cache is empty: the target's
-    whole blocks come from disk (proposers with K/V of their own compute theirs, EAGLE's pairs cannot be: it
+    whole blocks and the prompt's tail come from disk (proposers with K/V of their own compute theirs, EAGLE's pairs cannot be: it
     starts from none), and every output is the one an engine without a cache gives."""
     disk = lambda: DiskTier(tmp_path, "space", 1 << 30)  # noqa: E731
     first = run(make_engine(kind, 64, blocks=64, block=block_size, prefix_disk=disk()), [("first", A, params(sampled, 1))])
     first = first["first"]
     assert first.token_ids == cold(kind, 64, A, params(sampled, 1))
-    # the whole blocks the finished row held (its prompt and all but its last output token)
-    assert len(os.listdir(tmp_path / "space")) == (len(A) + len(first.token_ids) - 1) // block_size
+    # the whole blocks the finished row held (its prompt and all but its last output token), the tail of its
+    # prompt (saved as it joined) and the row's tail (saved as it left)
+    held = len(A) + len(first.token_ids) - 1
+    assert len(os.listdir(tmp_path / "space")) == held // block_size + (36 % block_size > 0) + (held % block_size > 0)
     restarted = make_engine(kind, 64, blocks=64, block=block_size, prefix_disk=disk())
     turn = A + tuple(first.token_ids) + (5, 6, 7)
     outs = run(restarted, [("again", A, params(sampled, 2))])
     outs.update(run(restarted, [("next turn", turn, params(sampled, 3)), ("other", OTHER, params(sampled, 4))]))
     whole = 36 // block_size
     eagle = kind in ("eagle", "eagle tree")
-    assert outs["again"].metrics.disk_cached_tokens == (0 if eagle else cached(whole, kind, 0, block_size))
+    assert outs["again"].metrics.disk_cached_tokens == (0 if eagle else cached(whole, kind, 36 % block_size, block_size))
     assert outs["again"].metrics.cached_tokens == outs["again"].metrics.disk_cached_tokens
     assert outs["other"].metrics.cached_tokens == 0
     for rid, prompt, seed in (("again", A, 2), ("next turn", turn, 3), ("other", OTHER, 4)):
@@ -231,7 +233,8 @@ def test_the_drafts_own_blocks_follow_the_targets_onto_disk(tmp_path, kind, samp
         restarted.proposer.prefill = lambda seq, start, stop: fed.append(stop - start) or prefill(seq, start, stop)
     again = run(restarted, [("again", A, params(sampled, 2))])["again"]
     whole = 36 // block_size
-    assert again.metrics.cached_tokens == again.metrics.disk_cached_tokens == cached(whole, kind, 0, block_size)
+    assert again.metrics.cached_tokens == again.metrics.disk_cached_tokens == \
+        cached(whole, kind, 36 % block_size, block_size)  # (the tail too, but for EAGLE)
     if kind == "draft model":
         assert sum(fed) == 36 - whole * block_size  # it read only the tokens past the blocks
     pc = restarted.prefix_cache
@@ -240,3 +243,30 @@ def test_the_drafts_own_blocks_follow_the_targets_onto_disk(tmp_path, kind, samp
     assert again.token_ids == cold(kind, 64, A, params(sampled, 2))
     if not sampled:
         assert again.token_ids == cold("plain", 64, A, params(sampled, 2))
+
+
+@pytest.mark.parametrize("block_size", [8, 16], ids=["copied", "mapped"])
+def test_blocks_read_in_two_threads_are_the_bits_and_stop_at_a_damaged_one(tmp_path, monkeypatch, block_size):
+    """A lookup reads many blocks back in two threads (`PrefixCache._read_blocks`, here from 2 blocks on): the
+    output is an engine's without a cache, a damaged block ends the chain there (the blocks read past it are
+    given back: every page accounted), and the next lookup finds the chain up to it."""
+    monkeypatch.setattr("specdec.engine.prefix_cache.PARALLEL_READS", 2)
+    names = {"target": "target", "draft": "draft-0123456789abcdef"}
+    disk = lambda: DiskTier(tmp_path, "space", 1 << 30, names)  # noqa: E731
+    p = params(False)
+    first = run(make_engine("draft model", 64, blocks=64, block=block_size, prefix_disk=disk()), [("first", A, p)])
+    keys = block_keys(list(A), block_size)
+    restarted = make_engine("draft model", 64, blocks=64, block=block_size, prefix_disk=disk())
+    again = run(restarted, [("again", A, p)])["again"]
+    assert again.metrics.disk_cached_tokens == 36  # (the whole blocks and the tail)
+    assert again.token_ids == first["first"].token_ids == cold("plain", 64, A, p)
+    assert_pages_accounted(restarted)
+    bad = 1 if block_size == 8 else 0  # (blocks past it read, then given back: 2 of them, or 1 page)
+    damaged = disk().path(keys[bad], "target")
+    raw = bytearray(damaged.read_bytes())
+    raw[300] ^= 0x01
+    damaged.write_bytes(bytes(raw))
+    third = make_engine("draft model", 64, blocks=64, block=block_size, prefix_disk=disk())
+    out = run(third, [("third", A, p)])["third"]
+    assert out.metrics.disk_cached_tokens == bad * block_size and out.token_ids == again.token_ids
+    assert_pages_accounted(third)

@@ -108,7 +108,7 @@ class Prefill:
         keys = pc.keys(tokens, seq.cache_salt)
         found = pc.lookup(keys)
         chain = found[:self.proposer.usable_prefix(pc, found)]
-        tail = None
+        tail, pc.tail_from_disk = None, False
         if len(chain) == len(found) and self.proposer.usable_tail:
             tail = pc.tail("target", keys[:len(chain)], tokens[len(chain) * pc.block_size:], seq.cache_salt)
         if not chain and tail is None:
@@ -119,7 +119,8 @@ class Prefill:
         if seq.num_output == 0:  # (not its own tokens, found again where it was preempted)
             seq.metrics.cached_tokens = cached
             ram = (len(found) - pc.from_disk) * pc.block_size  # (the disk's blocks end the chain)
-            seq.metrics.disk_cached_tokens = max(0, min(cached, len(chain) * pc.block_size) - ram)
+            on_disk = cached if pc.tail_from_disk else min(cached, len(chain) * pc.block_size)
+            seq.metrics.disk_cached_tokens = max(0, on_disk - ram)
         return cached
 
     def save(self, seq) -> None:
