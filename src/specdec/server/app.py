@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.config import SamplingParams
+from specdec.engine import structured
 from specdec.fan_out import sub_requests
 from specdec.server import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT_BODY
 from specdec.server import anthropic
@@ -104,6 +105,9 @@ def build_app(
         # the length bound that refuses megabyte prompts before tokenizing them measures the vocabulary
         # once (~1.5 s for 150k tokens): at start, not in the first request
         await asyncio.to_thread(engine_client.tokenizer.fewest_tokens, "")
+        vocab_size = getattr(getattr(engine_client, "engine", None), "vocab_size", None)
+        if vocab_size is not None:  # llguidance's view of the tokenizer (~1 s), for structured output's grammars
+            await asyncio.to_thread(structured.prepare, engine_client.tokenizer, vocab_size)
         try:
             yield
         finally:

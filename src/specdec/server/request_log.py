@@ -1,15 +1,16 @@
 """`serve --log-requests`: a line per finished request with where its time went, so that a slow answer can be
 read off the log (a prompt computed, or restored from RAM or disk; its first token; the decoding after it).
 
-Example line:
+Example line (the time it finished, then):
 
-    request msg-3f2a: prompt 21597 tokens (21584 cached, 21584 from disk; restored in 0.41 s, 13 computed in
+    00:21:30 request msg-3f2a: prompt 21597 tokens (21584 cached, 21584 from disk; restored in 0.41 s, 13 computed in
     0.62 s), first token at 1.30 s; 12 tokens in 3.05 s (3.9 tokens/s, 9 passes, drafts 0.02 s), stop
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import TextIO
 
 from specdec.engine.outputs import RequestOutput
@@ -24,7 +25,7 @@ class RequestLog:
     def on_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished:
-                print(describe(out), file=self.out or sys.stderr, flush=True)
+                print(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {describe(out)}", file=self.out or sys.stderr, flush=True)
 
 
 def describe(out: RequestOutput) -> str:
