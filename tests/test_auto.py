@@ -14,6 +14,7 @@ from fakes import FakeTokenizer, one_intra_op_thread
 from specdec.api import build_speculative_config
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
+from specdec.engine.metrics import DrafterCounts
 from specdec.heads.files import load_heads
 from specdec.sampling import process_logits
 from specdec.speculative.auto import AutoProposer
@@ -63,7 +64,7 @@ def test_greedy_auto_equals_plain(second, k, adaptive):
         assert_metrics_consistent(out)
         accepted += out.metrics.num_accepted_tokens
         counts = out.metrics.drafters
-        assert sum(c[0] for c in counts.values()) == out.metrics.num_drafts  # every draft has its drafter
+        assert sum(c.drafts for c in counts.values()) == out.metrics.num_drafts  # every draft has its drafter
         assert set(counts) <= {"suffix", "draft_model"}
     assert accepted > 0
 
@@ -101,9 +102,9 @@ def test_the_trie_is_taken_where_it_is_sure_and_the_draft_model_elsewhere():
     prompt = PROMPTS[2]  # no repeats: the trie has little to go on the first time
     first, second = generate(engine, prompt, GREEDY), generate(engine, prompt, GREEDY)
     assert first.token_ids == second.token_ids == list(plain("fp32", prompt))
-    used = {name: c[2] for name, c in first.metrics.drafters.items()}  # accepted tokens by drafter
+    used = {name: c.accepted for name, c in first.metrics.drafters.items()}  # accepted tokens by drafter
     assert used.get("draft_model", 0) >= 6 and used.get("suffix", 0) > 0, first.metrics.to_dict()
-    again = {name: c[2] for name, c in second.metrics.drafters.items()}
+    again = {name: c.accepted for name, c in second.metrics.drafters.items()}
     assert again.get("suffix", 0) >= 30 and again.get("suffix", 0) > again.get("draft_model", 0), again
     assert second.metrics.target_passes <= 8, second.metrics.to_dict()
 
@@ -132,7 +133,7 @@ def test_nothing_is_drafted_where_no_draft_can_pay():
         assert tuple(out.token_ids) == plain("fp32", prompt)
         assert out.metrics.num_drafts <= 2, out.metrics.to_dict()
         assert set(out.metrics.drafters) <= {"draft_model"}
-        assert all(c[1] == c[0] for c in out.metrics.drafters.values())  # probes draft one token
+        assert all(c.draft_tokens == c.drafts for c in out.metrics.drafters.values())  # probes draft one token
 
 
 def test_a_row_whose_trie_drafts_are_not_verified_relaxes_its_lean_each_step():
@@ -248,7 +249,7 @@ def test_auto_beside_medusa_equals_plain_and_uses_both(medusa):
     for rid, prompt, _ in requests:
         assert finals[rid].token_ids == heads_plain("fp32", prompt), rid
         for name, counts in finals[rid].metrics.drafters.items():
-            used[name] = used.get(name, 0) + counts[2]
+            used[name] = used.get(name, 0) + counts.accepted
     assert used.get("medusa", 0) > 0 and used.get("suffix", 0) > 0, used
 
 
@@ -303,7 +304,7 @@ def test_two_drafter_trees_equal_plain(medusa):
         out = generate(engine, prompt, GREEDY)
         assert out.token_ids == heads_plain("fp32", prompt)
         assert_metrics_consistent(out)
-        trees += out.metrics.drafters.get("suffix+medusa", (0, 0, 0))[0]
+        trees += out.metrics.drafters.get("suffix+medusa", DrafterCounts()).drafts
     assert trees > 0
 
 
@@ -320,7 +321,7 @@ def test_two_drafter_trees_keep_the_sampled_distribution(medusa):
         out = generate(engine, prompt, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=seed))
         firsts.append(out.token_ids[0])
         pairs.append(tuple(out.token_ids[:2]))
-        trees += out.metrics.drafters.get("suffix+medusa", (0, 0, 0))[0]
+        trees += out.metrics.drafters.get("suffix+medusa", DrafterCounts()).drafts
     assert trees > 300  # (529 trees in a run here)
 
     def target_probs(tokens):

@@ -70,7 +70,7 @@ def test_a_damaged_file_is_removed_and_never_served(tmp_path, damage):
     assert disk.read(KEY, "target") is None
     assert not path.exists() and disk.stats.corrupt == 1
     disk.write(KEY, "target", block(0), 16)  # computed again, written again
-    assert torch.equal(disk.read(KEY, "target")[0], block(0))
+    assert torch.equal(disk.read(KEY, "target").data, block(0))
 
 
 def test_a_full_disk_keeps_the_block_in_ram_only(tmp_path, monkeypatch):

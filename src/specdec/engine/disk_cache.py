@@ -33,12 +33,26 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 MAGIC = b"SPDKVB01"
 NUMERICS_VERSION = "1"  # bumped when the kernels' arithmetic (so the K/V they write) changes
 _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8)}
+
+
+class ReadBlock(NamedTuple):
+    """A block file read back and checked: its K/V (a view of the file's bytes) and how many tokens it holds."""
+
+    data: torch.Tensor
+    tokens: int
+
+
+class _File(NamedTuple):
+    path: Path
+    size: int
+    mtime: float
 
 
 @dataclass
@@ -92,8 +106,8 @@ class DiskTier:
     def has(self, key: bytes, name: str) -> bool:
         return self.path(key, name).is_file()
 
-    def read(self, key: bytes, name: str) -> tuple[torch.Tensor, int] | None:
-        """(the block's data, its tokens), or None where there is none or it fails its checks (then removed)."""
+    def read(self, key: bytes, name: str) -> ReadBlock | None:
+        """The block's data and its tokens, or None where there is none or it fails its checks (then removed)."""
         path = self.path(key, name)
         try:
             with open(path, "rb") as f:  # into one buffer, which the tensor then views (no copies)
@@ -202,7 +216,7 @@ class DiskTier:
                             _unlink(Path(entry.path))
                     except OSError:
                         pass
-                files = sorted(self._files(), key=lambda f: f[2])  # oldest first
+                files = sorted(self._files(), key=lambda f: f.mtime)  # oldest first
                 total = sum(size for _, size, _ in files)
                 for path, size, _ in files:
                     if total <= self.budget:
@@ -219,7 +233,7 @@ class DiskTier:
         for path, _, _ in self._files():
             _unlink(path)
 
-    def _files(self) -> list[tuple[Path, int, float]]:
+    def _files(self) -> list[_File]:
         out = []
         try:
             entries = list(os.scandir(self.dir))
@@ -232,11 +246,11 @@ class DiskTier:
                 st = entry.stat()
             except OSError:  # removed meanwhile (another process)
                 continue
-            out.append((Path(entry.path), st.st_size, st.st_mtime))
+            out.append(_File(Path(entry.path), st.st_size, st.st_mtime))
         return out
 
 
-def _parse(raw: bytearray, name: str) -> tuple[torch.Tensor, int] | None:
+def _parse(raw: bytearray, name: str) -> ReadBlock | None:
     """The tensor (a view of `raw`) and token count of a block file's bytes, or None if they fail any check."""
     start = len(MAGIC) + 4
     if len(raw) < start + 32 or raw[:len(MAGIC)] != MAGIC:
@@ -256,7 +270,7 @@ def _parse(raw: bytearray, name: str) -> tuple[torch.Tensor, int] | None:
     if header.get("name") != name or math.prod(shape) * dtype.itemsize != size:
         return None
     data = torch.frombuffer(raw, dtype=torch.uint8, count=size, offset=start + hlen) if size else torch.empty(0, dtype=torch.uint8)
-    return data.view(dtype).reshape(shape), tokens
+    return ReadBlock(data.view(dtype).reshape(shape), tokens)
 
 
 def _read_checked(fd: int, name: str, buffers: list, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:

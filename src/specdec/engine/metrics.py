@@ -22,6 +22,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class DrafterCounts:
+    """One drafter's share of a request's drafts (auto speculation's drafters take turns): passes it drafted
+    for, tokens it drafted, tokens of them accepted. Unpacks in that order."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    def __iter__(self):
+        return iter((self.drafts, self.draft_tokens, self.accepted))
+
+    def copy(self) -> "DrafterCounts":
+        return DrafterCounts(self.drafts, self.draft_tokens, self.accepted)
+
+
+@dataclass
 class SpecMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -39,7 +55,7 @@ class SpecMetrics:
     draft_time: float = 0.0
     target_time: float = 0.0
     total_time: float = 0.0
-    drafters: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [drafts, draft tokens, accepted]
+    drafters: dict[str, DrafterCounts] = field(default_factory=dict)  # where several drafters take turns
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, drafter: str | None = None) -> None:
         """Count one target pass that verified `num_drafted` tokens (drafted by `drafter`, where several take
@@ -50,10 +66,10 @@ class SpecMetrics:
         if num_drafted == 0:
             return
         if drafter is not None:
-            counts = self.drafters.setdefault(drafter, [0, 0, 0])
-            counts[0] += 1
-            counts[1] += num_drafted
-            counts[2] += num_accepted
+            counts = self.drafters.setdefault(drafter, DrafterCounts())
+            counts.drafts += 1
+            counts.draft_tokens += num_drafted
+            counts.accepted += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
@@ -73,9 +89,10 @@ class SpecMetrics:
         for i, n in enumerate(other.accepted_per_position):
             self.accepted_per_position[i] += n
         for name, counts in other.drafters.items():
-            mine = self.drafters.setdefault(name, [0, 0, 0])
-            for i, n in enumerate(counts):
-                mine[i] += n
+            mine = self.drafters.setdefault(name, DrafterCounts())
+            mine.drafts += counts.drafts
+            mine.draft_tokens += counts.draft_tokens
+            mine.accepted += counts.accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -120,8 +137,9 @@ class SpecMetrics:
             "target_time_s": round(self.target_time, 4),
             "total_time_s": round(self.total_time, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
-            **({"drafters": {name: {"num_drafts": d, "num_draft_tokens": t, "num_accepted_tokens": a}
-                             for name, (d, t, a) in sorted(self.drafters.items())}} if self.drafters else {}),
+            **({"drafters": {name: {"num_drafts": c.drafts, "num_draft_tokens": c.draft_tokens,
+                                    "num_accepted_tokens": c.accepted}
+                             for name, c in sorted(self.drafters.items())}} if self.drafters else {}),
         }
 
 

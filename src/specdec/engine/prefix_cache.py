@@ -238,7 +238,7 @@ class PrefixCache:
             if page is not None:
                 cache.release(page)
             got = self.disk.read(block.key, file)
-            return got is not None and got[1] == block.size and self._fill(name, block, got[0])
+            return got is not None and got.tokens == block.size and self._fill(name, block, got.data)
         views = self._views(name)
         if cache is not None:
             page = cache.take_page() if page is None else page  # (given: taken for it, `_read_blocks`)

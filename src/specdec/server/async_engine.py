@@ -327,5 +327,5 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
         new_token_ids=list(out.new_token_ids),
         token_ids=list(out.token_ids),
         metrics=dataclasses.replace(out.metrics, accepted_per_position=list(out.metrics.accepted_per_position),
-                                    drafters={k: list(v) for k, v in out.metrics.drafters.items()}),
+                                    drafters={k: v.copy() for k, v in out.metrics.drafters.items()}),
     )

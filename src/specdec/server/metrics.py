@@ -33,10 +33,12 @@ Every metric carries `model_name`. Each app gets its own registry, so tests can 
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from specdec.engine.metrics import DrafterCounts
 from specdec.engine.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -45,6 +47,16 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 6
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
+class _Seen(NamedTuple):
+    """A request's counters at its previous output: what the next one adds is the difference."""
+
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    per_position: list[int]
+    preemptions: int
 
 
 class ServerMetrics:
@@ -67,7 +79,7 @@ class ServerMetrics:
             counter("spec_decode_drafter_num_draft_tokens", "Number of draft tokens, by drafter.", ("drafter",)),
             counter("spec_decode_drafter_num_accepted_tokens", "Number of accepted tokens, by drafter.", ("drafter",)),
         )
-        self._seen_drafters: dict[str, dict[str, list[int]]] = {}  # request id -> its drafter counters so far
+        self._seen_drafters: dict[str, dict[str, DrafterCounts]] = {}  # request id -> its drafter counters so far
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.prefix_cache_queries = counter("prefix_cache_queries",
@@ -95,7 +107,7 @@ class ServerMetrics:
                          "Histogram of time per output token (per request mean) in seconds.", TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                         E2E_BUCKETS)
-        self._seen: dict[str, tuple[int, int, int, list[int], int]] = {}  # request id -> counters so far
+        self._seen: dict[str, _Seen] = {}  # request id -> its counters at its previous output
         self._lock = threading.Lock()
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
@@ -106,33 +118,33 @@ class ServerMetrics:
                 s = out.metrics
                 prev = self._seen.get(out.request_id)
                 if prev is None:
-                    prev = (0, 0, 0, [], 0)
+                    prev = _Seen(0, 0, 0, [], 0)
                     self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
                     self.prefix_cache_queries.labels(name).inc(len(out.prompt_token_ids))
                     self.prefix_cache_hits.labels(name).inc(s.cached_tokens)
                     self.prefix_cache_disk_hits.labels(name).inc(s.disk_cached_tokens)
-                self.num_drafts.labels(name).inc(max(0, s.num_drafts - prev[0]))
-                self.num_draft_tokens.labels(name).inc(max(0, s.num_draft_tokens - prev[1]))
-                self.num_accepted_tokens.labels(name).inc(max(0, s.num_accepted_tokens - prev[2]))
+                self.num_drafts.labels(name).inc(max(0, s.num_drafts - prev.drafts))
+                self.num_draft_tokens.labels(name).inc(max(0, s.num_draft_tokens - prev.draft_tokens))
+                self.num_accepted_tokens.labels(name).inc(max(0, s.num_accepted_tokens - prev.accepted))
                 for pos, n in enumerate(s.accepted_per_position):
-                    before = prev[3][pos] if pos < len(prev[3]) else 0
+                    before = prev.per_position[pos] if pos < len(prev.per_position) else 0
                     if n > before:
                         self.accepted_per_pos.labels(name, str(pos)).inc(n - before)
                 self.generation_tokens.labels(name).inc(len(out.new_token_ids))
-                self.num_preemptions.labels(name).inc(max(0, s.preemptions - prev[4]))
+                self.num_preemptions.labels(name).inc(max(0, s.preemptions - prev.preemptions))
                 seen = self._seen_drafters.setdefault(out.request_id, {})
                 for drafter, counts in s.drafters.items():
-                    before = seen.get(drafter, [0, 0, 0])
+                    before = seen.get(drafter, DrafterCounts())
                     for counter_, n, b in zip(self.drafter_counters, counts, before):
                         if n > b:
                             counter_.labels(name, drafter).inc(n - b)
-                    seen[drafter] = list(counts)
+                    seen[drafter] = counts.copy()
                 if out.finished:
                     self._seen.pop(out.request_id, None)
                     self._seen_drafters.pop(out.request_id, None)
                 else:
-                    self._seen[out.request_id] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                                                  list(s.accepted_per_position), s.preemptions)
+                    self._seen[out.request_id] = _Seen(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                                                       list(s.accepted_per_position), s.preemptions)
 
     def request_finished(self, finish_reason: str, num_tokens: int, ttft: float | None, e2e: float) -> None:
         name = self.model_name
