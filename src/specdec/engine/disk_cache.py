@@ -117,17 +117,7 @@ class DiskTier:
             self.stats.misses += 1
             return None
         parsed = _parse(raw, name)
-        if parsed is None:
-            self.stats.corrupt += 1
-            _unlink(path)
-            return None
-        try:
-            os.utime(path)  # most recently used
-        except OSError:
-            pass
-        self.stats.hits += 1
-        self.stats.bytes_read += len(raw)
-        return parsed
+        return parsed if self._checked(path, None if parsed is None else len(raw)) else None
 
     def read_into(self, key: bytes, name: str, buffers: list, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
         """Read a block of cache `name` (data of `dtype` and `shape`) straight into `buffers` (writable, its bytes
@@ -148,19 +138,26 @@ class DiskTier:
             tokens = None
         finally:
             os.close(fd)
-        if tokens is None:
-            with self._stats_lock:
+        ok = self._checked(path, None if tokens is None else sum(memoryview(b).nbytes for b in buffers))
+        return tokens if ok else None
+
+    def _checked(self, path: Path, nbytes: int | None) -> bool:
+        """Count a block read back (`nbytes`) or failing its checks (None: then removed, never served), and mark a
+        good one most recently used. Locked: blocks are read in several threads."""
+        with self._stats_lock:
+            if nbytes is None:
                 self.stats.corrupt += 1
+            else:
+                self.stats.hits += 1
+                self.stats.bytes_read += nbytes
+        if nbytes is None:
             _unlink(path)
-            return None
+            return False
         try:
-            os.utime(path)  # most recently used
+            os.utime(path)
         except OSError:
             pass
-        with self._stats_lock:  # (blocks are read in several threads)
-            self.stats.hits += 1
-            self.stats.bytes_read += sum(memoryview(b).nbytes for b in buffers)
-        return tokens
+        return True
 
     def write(self, key: bytes, name: str, data: torch.Tensor, tokens: int) -> None:
         """Keep `data` (a block of `tokens` tokens of cache `name`) under `key`: atomic, then within budget. A block
